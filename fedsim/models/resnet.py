@@ -21,4 +21,8 @@ def build_resnet18(num_classes: int, p: float, norm: str = "group") -> nn.Module
         raise ValueError(f"unknown norm {norm!r}: use 'batch' or 'group'")
     model = resnet18(weights=None, num_classes=num_classes, norm_layer=norm_layer)
     model.fc = nn.Sequential(MaskedDropout(p), model.fc)
+    # In-place ReLUs overwrite the norm layers' outputs, which the attack engine needs to keep.
+    for module in model.modules():
+        if isinstance(module, nn.ReLU):
+            module.inplace = False
     return model

@@ -61,6 +61,20 @@ class Block(nn.Module):
         return x + self.ff(x)
 
 
+class TokenEmbedding(nn.Module):
+    """Prepends the cls token and adds the position embedding: the ViT's only free parameters,
+    kept in one module so that per-job gradients of them are read off this module's output."""
+
+    def __init__(self, num_tokens: int, dim: int) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embedding = nn.Parameter(torch.randn(1, num_tokens, dim))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        cls = self.cls_token.expand(tokens.shape[0], -1, -1)
+        return torch.cat([cls, tokens], dim=1) + self.pos_embedding
+
+
 class ViT(nn.Module):
     def __init__(
         self,
@@ -82,8 +96,7 @@ class ViT(nn.Module):
         self.patch_size = patch_size
         num_patches = (image_size // patch_size) ** 2
         self.patch_embed = nn.Linear(channels * patch_size * patch_size, dim)
-        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
-        self.pos_embedding = nn.Parameter(torch.randn(1, num_patches + 1, dim))
+        self.tokens = TokenEmbedding(num_patches + 1, dim)
         self.emb_drop = MaskedDropout(p)
         self.blocks = nn.ModuleList(Block(dim, heads, dim_head, mlp_dim, p) for _ in range(depth))
         self.head_norm = nn.LayerNorm(dim)
@@ -95,13 +108,8 @@ class ViT(nn.Module):
         x = x.reshape(b, c, h // s, s, w // s, s).permute(0, 2, 4, 3, 5, 1)
         return x.reshape(b, (h // s) * (w // s), s * s * c)
 
-    def embed(self, x: Tensor) -> Tensor:
-        tokens = self.patch_embed(self.patchify(x))
-        cls = self.cls_token.expand(tokens.shape[0], -1, -1)
-        return torch.cat([cls, tokens], dim=1) + self.pos_embedding
-
     def forward(self, x: Tensor) -> Tensor:
-        x = self.emb_drop(self.embed(x))
+        x = self.emb_drop(self.tokens(self.patch_embed(self.patchify(x))))
         for block in self.blocks:
             x = block(x)
         return self.head(self.head_norm(x[:, 0]))
