@@ -1,0 +1,84 @@
+"""The attacks as presets of one engine configuration, with the paper's defaults."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from .masks import MASK_INITS
+
+MASK_MODES = ("off", "random", "oracle", "learn")
+
+
+class AttackConfigError(ValueError):
+    """An attack configuration with an unknown key or an impossible value."""
+
+
+@dataclass(frozen=True)
+class AttackConfig:
+    name: str = "dia"
+    masks: str = "learn"  # off: IG (eval); random: IG (train); oracle: WIIG; learn: DIA
+    distance: str = "cosine"  # cosine (IG) or euclidean (APRIL)
+    lambda_pos: float = 0.0  # APRIL: weight of the position-embedding cosine term
+    tv_weight: float | None = None  # None: 1e-5 for MLP and ViT, 1e-2 for LeNet and ResNet
+    lr: float = 0.1
+    signed_gradients: bool = True
+    boxed: bool = True
+    lambda_mask: float = 1e-4
+    mask_init: str = "bernoulli"
+    max_iterations: int = 20_000
+    patience: int = 4_000  # stop after this many iterations without improvement
+    plateau_patience: int = 800
+    plateau_factor: float = 0.1
+    loss_threshold: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.masks not in MASK_MODES:
+            raise AttackConfigError(f"attack {self.name}: masks must be one of {MASK_MODES}, got {self.masks!r}")
+        if self.distance not in ("cosine", "euclidean"):
+            raise AttackConfigError(f"attack {self.name}: distance must be cosine or euclidean, got {self.distance!r}")
+        if self.mask_init not in MASK_INITS:
+            raise AttackConfigError(f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}")
+        for key in ("max_iterations", "patience", "plateau_patience"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise AttackConfigError(f"attack {self.name}: {key} must be a positive integer, got {value!r}")
+        for key in ("lr", "plateau_factor"):
+            if not getattr(self, key) > 0:
+                raise AttackConfigError(f"attack {self.name}: {key} must be positive, got {getattr(self, key)!r}")
+        for key in ("lambda_pos", "lambda_mask", "loss_threshold"):
+            if getattr(self, key) < 0:
+                raise AttackConfigError(f"attack {self.name}: {key} must be >= 0, got {getattr(self, key)!r}")
+        if self.tv_weight is not None and self.tv_weight < 0:
+            raise AttackConfigError(f"attack {self.name}: tv_weight must be >= 0, got {self.tv_weight!r}")
+
+    def tv_for(self, model_name: str) -> float:
+        if self.tv_weight is not None:
+            return self.tv_weight
+        return 1e-2 if model_name in ("lenet", "resnet18") else 1e-5
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, AttackConfig] = {
+    "ig_eval": AttackConfig("ig_eval", masks="off", lambda_mask=0.0),
+    "ig_train": AttackConfig("ig_train", masks="random", lambda_mask=0.0),
+    "wiig": AttackConfig("wiig", masks="oracle", lambda_mask=0.0),
+    "dia": AttackConfig("dia", masks="learn"),
+    "april": AttackConfig("april", masks="off", distance="euclidean", lambda_pos=1e-4, lambda_mask=0.0),
+    "dia_april": AttackConfig("dia_april", masks="learn", distance="euclidean", lambda_pos=1e-4),
+}
+ALIASES = {"ig": "ig_eval", "dia-april": "dia_april", "ig-eval": "ig_eval", "ig-train": "ig_train"}
+
+
+def make_attack(name: str, **overrides: Any) -> AttackConfig:
+    """A preset by name, with overrides checked against the known keys."""
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        raise AttackConfigError(f"unknown attack {name!r}; choose from {sorted(PRESETS)}")
+    known = {f.name for f in fields(AttackConfig)} - {"name", "masks"}
+    unknown = set(overrides) - known
+    if unknown:
+        raise AttackConfigError(f"unknown attack setting(s) {sorted(unknown)}; allowed: {sorted(known)}")
+    return replace(PRESETS[key], **overrides)

@@ -1,0 +1,137 @@
+"""Attack run configuration: YAML in, validated, resolved, and written beside the results."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedsim.models import ModelSpec, ModelSpecError
+from fedsim.models.registry import validate_spec
+
+from .attacks import AttackConfig, AttackConfigError, make_attack
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix: the message names the key and the problem."""
+
+
+@dataclass
+class VictimConfig:
+    source: str = "builtin"  # builtin: sampled from a client's partition; file: a victim file
+    model: str = "mlp"
+    dataset: str = "mnist"
+    p: float = 0.25
+    model_options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1
+    count: int = 8  # victim images (count / batch_size jobs per attack)
+    file: str | None = None
+    data_root: str = "data"
+    num_clients: int = 10
+    client: int = 0
+    seed: int = 0
+    model_seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    victims: VictimConfig = field(default_factory=VictimConfig)
+    attacks: list[str] = field(default_factory=lambda: ["ig_eval", "wiig", "dia"])
+    attack_overrides: dict[str, Any] = field(default_factory=dict)
+    labels: str = "known"  # known (the paper) or recovered (from the gradient)
+    device: str = "auto"
+    seed: int = 0
+    lpips: bool = True
+    checkpoint_every: int = 250
+
+    def attack_configs(self) -> list[AttackConfig]:
+        return [make_attack(name, **self.attack_overrides) for name in self.attacks]
+
+    def model_spec(self) -> ModelSpec:
+        v = self.victims
+        return ModelSpec(v.model, v.dataset, float(v.p), v.model_seed, dict(v.model_options))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_keys(data: dict, cls: type, where: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(where + '.' + k if where else k for k in unknown)}; allowed: {sorted(known)}")
+
+
+def _expect(value: Any, types: type | tuple, key: str) -> None:
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ConfigError(f"{key} must be {getattr(types, '__name__', types)}, got {value!r}")
+    if not isinstance(value, types):
+        name = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{key} must be {name}, got {value!r}")
+
+
+def parse_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a config mapping (unknown keys, types, ranges) and return the resolved config."""
+    _check_keys(data, RunConfig, "")
+    victims = dict(data.get("victims") or {})
+    _check_keys(victims, VictimConfig, "victims")
+    for key, types in (("model", str), ("dataset", str), ("source", str), ("data_root", str)):
+        if key in victims:
+            _expect(victims[key], types, f"victims.{key}")
+    for key in ("batch_size", "count", "num_clients", "client", "seed", "model_seed"):
+        if key in victims:
+            _expect(victims[key], int, f"victims.{key}")
+    if "p" in victims:
+        _expect(victims["p"], (int, float), "victims.p")
+    cfg = RunConfig(victims=VictimConfig(**victims), **{k: v for k, v in data.items() if k != "victims"})
+    v = cfg.victims
+    if v.source not in ("builtin", "file"):
+        raise ConfigError(f"victims.source must be 'builtin' or 'file', got {v.source!r}")
+    if v.source == "file" and not v.file:
+        raise ConfigError("victims.file is required when victims.source is 'file'")
+    if not 0 <= v.p < 1:
+        raise ConfigError(f"victims.p must be in [0, 1), got {v.p}")
+    if v.batch_size <= 0:
+        raise ConfigError(f"victims.batch_size must be positive, got {v.batch_size}")
+    if v.count <= 0 or v.count % v.batch_size:
+        raise ConfigError(f"victims.count must be a positive multiple of batch_size ({v.batch_size}), got {v.count}")
+    if not 0 <= v.client < v.num_clients:
+        raise ConfigError(f"victims.client must be in [0, {v.num_clients}), got {v.client}")
+    if cfg.labels not in ("known", "recovered"):
+        raise ConfigError(f"labels must be 'known' or 'recovered', got {cfg.labels!r}")
+    if cfg.device not in ("auto", "cpu", "gpu", "cuda", "mps"):
+        raise ConfigError(f"device must be auto, cpu or gpu, got {cfg.device!r}")
+    if not isinstance(cfg.attacks, list) or not cfg.attacks:
+        raise ConfigError("attacks must be a non-empty list of attack names")
+    _expect(cfg.checkpoint_every, int, "checkpoint_every")
+    if cfg.checkpoint_every <= 0:
+        raise ConfigError(f"checkpoint_every must be positive, got {cfg.checkpoint_every}")
+    try:
+        validate_spec(cfg.model_spec())
+        cfg.attack_configs()
+    except (ModelSpecError, AttackConfigError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+    return cfg
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory, not a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config {path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_config(data or {})
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

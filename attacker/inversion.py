@@ -1,0 +1,320 @@
+"""The one engine: a LightningModule that reconstructs the images of V victim jobs at once.
+
+All jobs of one module share the model and its weights and have the same batch size B; each has
+its own attack (IG, WIIG, DIA, APRIL...), dummies, masks, Adam, ReduceLROnPlateau, stopping rule
+and best iterate, so each job's result equals running it alone (up to float rounding of batched
+products). Every attack is "learn mode" dropout with per-job masks: IG (eval) multiplies by the
+constant 1 - p (which cancels the 1/(1-p) scaling: dropout off), IG (train) by fresh Bernoulli
+masks each iteration, WIIG by the client's true masks, DIA by optimized masks in [0, 1].
+
+Why manual optimization with one Adam and one ReduceLROnPlateau per job: torch's scheduler reduces
+the learning rate of a whole optimizer on one metric; per-job schedules need per-job optimizers,
+and Lightning's automatic optimization would step them all on one loss.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from fedsim.data import box_bounds, get_spec
+from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
+
+from .attacks import AttackConfig
+from .gradients import MatchTerms, PerJobGradients, autograd_terms
+from .jobs import Oracle, VictimJob, model_from_job
+from .masks import analytical_masks, init_mask
+from .objectives import cosine_distance, euclidean_distance, mask_regularizer, param_cosine_distance, total_variation
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    attack: str
+    images: Tensor  # best-loss iterate, normalized space
+    masks: list[Tensor] | None  # learned masks at the best iterate (DIA only)
+    best_loss: float
+    best_iteration: int
+    iterations: int
+    status: str  # converged | no_improvement | max_iterations | diverged | running
+    optimized_values: int
+    losses: list[float] = field(default_factory=list)
+
+
+def job_seed(job: VictimJob, attack: AttackConfig, seed: int) -> int:
+    """Each job draws its dummies and masks from its own generator: same result alone or batched."""
+    return zlib.crc32(f"{job.job_id}/{attack.name}/{seed}".encode())
+
+
+class _Steps(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class InversionModule(L.LightningModule):
+    def __init__(
+        self,
+        jobs: list[VictimJob],
+        attacks: list[AttackConfig],
+        oracles: list[Oracle | None] | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not jobs or len(jobs) != len(attacks):
+            raise ValueError("give one attack per job, and at least one job")
+        first = jobs[0]
+        for job in jobs[1:]:
+            if job.spec != first.spec or job.weights is not first.weights or job.batch_size != first.batch_size:
+                raise ValueError("jobs of one module must share model spec, weights and batch size")
+        self.automatic_optimization = False
+        self.jobs, self.attacks = jobs, attacks
+        self.V, self.B = len(jobs), first.batch_size
+        self.p = first.p
+        self.model = model_from_job(first)
+        for param in self.model.parameters():
+            param.requires_grad_(False)
+        self.ghost: PerJobGradients | None = None
+        if PerJobGradients.check(self.model) is None:
+            self.ghost = PerJobGradients(self.model)
+        elif self.V > 1:
+            raise ValueError("this model (BatchNorm) couples the images of a batch: run its jobs one per module")
+        spec = get_spec(first.spec.dataset, first.spec.input_shape[0])
+        low, high = box_bounds(spec)
+        self.register_buffer("box_low", low)
+        self.register_buffer("box_high", high)
+        example = torch.zeros(self.B, *first.spec.input_shape)
+        self.mask_shapes = mask_shapes(self.model, example)
+        self.register_buffer("labels", torch.cat([j.labels for j in jobs]))
+        for i, param_targets in enumerate(zip(*[j.gradient for j in jobs])):
+            self.register_buffer(f"target_{i}", torch.stack(param_targets))
+        self.num_params = len(jobs[0].gradient)
+
+        self.images = nn.ParameterList()
+        self.learned = nn.ParameterList()  # DIA masks, job-major then layer order
+        self.mask_slots: list[list[tuple[str, int]]] = []  # per job and layer: (kind, index)
+        self.const_masks: list[Tensor] = []
+        for j, (job, attack) in enumerate(zip(jobs, attacks)):
+            gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
+            self.images.append(nn.Parameter(torch.randn(self.B, *first.spec.input_shape, generator=gen)))
+            slots = []
+            if attack.masks == "learn" and self.p > 0:
+                if attack.mask_init == "analytical":
+                    init = analytical_masks(self.model, job.gradient, self.mask_shapes, self.p, gen)
+                else:
+                    init = [init_mask(s, self.p, attack.mask_init, gen) for s in self.mask_shapes]
+                for m in init:
+                    slots.append(("learn", len(self.learned)))
+                    self.learned.append(nn.Parameter(m))
+            elif attack.masks == "oracle" and self.p > 0:
+                oracle = oracles[j] if oracles else None
+                if oracle is None:
+                    raise ValueError(f"job {job.job_id}: WIIG replays the client's true masks and needs its oracle")
+                for m in oracle.masks:
+                    slots.append(("const", len(self.const_masks)))
+                    self.const_masks.append(m.float())
+            elif attack.masks == "random" and self.p > 0:
+                slots = [("random", -1)] * len(self.mask_shapes)
+            else:  # off, or p == 0: a constant 1 - p cancels the 1/(1-p) scaling
+                for s in self.mask_shapes:
+                    slots.append(("const", len(self.const_masks)))
+                    self.const_masks.append(torch.full(s, 1.0 - self.p))
+            self.mask_slots.append(slots)
+        for i, m in enumerate(self.const_masks):
+            self.register_buffer(f"const_mask_{i}", m)
+
+        self.job_optimizers = []
+        self.job_schedulers = []
+        for j, attack in enumerate(attacks):
+            params = [self.images[j]] + [self.learned[k] for kind, k in self.mask_slots[j] if kind == "learn"]
+            opt = torch.optim.Adam(params, lr=attack.lr, betas=(0.9, 0.999))
+            self.job_optimizers.append(opt)
+            self.job_schedulers.append(
+                torch.optim.lr_scheduler.ReduceLROnPlateau(
+                    opt, mode="min", factor=attack.plateau_factor, patience=attack.plateau_patience
+                )
+            )
+        self.tv_weights = torch.tensor([a.tv_for(first.spec.name) for a in attacks])
+        self.iteration = 0
+        self.status = ["running"] * self.V
+        self.best_loss = [float("inf")] * self.V
+        self.best_iteration = [-1] * self.V
+        self.since_best = [0] * self.V
+        self.losses: list[list[float]] = [[] for _ in range(self.V)]
+        self.best_images: list[Tensor | None] = [None] * self.V
+        self.best_masks: list[list[Tensor] | None] = [None] * self.V
+        self._targets_for: tuple[int, ...] | None = None
+
+    # -- Lightning plumbing -------------------------------------------------------------------
+    def configure_optimizers(self):  # optimizers live per job in the module (see module docstring)
+        return None
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Steps(self.chunk), batch_size=None)
+
+    chunk = 250  # iterations per Lightning "epoch": the checkpoint interval
+
+    # -- the optimization -------------------------------------------------------------------
+    def active(self) -> list[int]:
+        return [j for j in range(self.V) if self.status[j] == "running"]
+
+    def _mask(self, j: int, layer: int) -> Tensor:
+        kind, k = self.mask_slots[j][layer]
+        if kind == "learn":
+            return self.learned[k]
+        if kind == "const":
+            return getattr(self, f"const_mask_{k}")
+        shape = self.mask_shapes[layer]
+        return torch.bernoulli(torch.full(shape, 1.0 - self.p, device=self.box_low.device))
+
+    def _terms(self, x: Tensor, active: list[int]) -> MatchTerms:
+        labels = self.labels.view(self.V, self.B)[active].reshape(-1)
+        if self.ghost is None:
+            targets = [getattr(self, f"target_{i}")[active] for i in range(self.num_params)]
+            for param in self.model.parameters():
+                param.requires_grad_(True)
+            try:
+                return autograd_terms(self.model, x, labels, targets)
+            finally:
+                for param in self.model.parameters():
+                    param.requires_grad_(False)
+        key = tuple(active)
+        if self._targets_for != key:  # jobs stopped: compact the targets once, not every step
+            index = torch.tensor(active, device=self.labels.device)
+            self.ghost.set_targets([getattr(self, f"target_{i}").index_select(0, index) for i in range(self.num_params)])
+            self._targets_for = key
+        return self.ghost.compute(x, labels, len(active))
+
+    def job_losses(self, active: list[int]) -> tuple[Tensor, Tensor]:
+        x = torch.cat([self.images[j] for j in active])
+        if self.mask_shapes:
+            layers = [torch.cat([self._mask(j, i) for j in active]) for i in range(len(self.mask_shapes))]
+            set_masks(self.model, layers)
+            set_dropout_mode(self.model, DropoutMode.LEARN)
+        terms = self._terms(x, active)
+        attacks = [self.attacks[j] for j in active]
+        device = x.device
+        euclid = torch.tensor([a.distance == "euclidean" for a in attacks], device=device)
+        dist = cosine_distance(terms)
+        if euclid.any():
+            dist = torch.where(euclid, euclidean_distance(terms), dist)
+        lam_pos = torch.tensor([a.lambda_pos for a in attacks], device=device)
+        if lam_pos.any():
+            dist = dist + lam_pos * param_cosine_distance(terms, "pos_embedding")
+        loss = dist + self.tv_weights.to(device)[active] * total_variation(x, len(active))
+        reg = []
+        for j in active:
+            learned = [self._mask(j, i) for i, (kind, _) in enumerate(self.mask_slots[j]) if kind == "learn"]
+            lam = self.attacks[j].lambda_mask
+            reg.append(lam * mask_regularizer(learned, self.p) if learned and lam > 0 else x.new_zeros(()))
+        return loss + torch.stack(reg), x
+
+    def training_step(self, batch, batch_idx):
+        active = self.active()
+        if not active:
+            self.trainer.should_stop = True
+            return None
+        for j in active:
+            self.job_optimizers[j].zero_grad(set_to_none=True)
+        losses, _ = self.job_losses(active)
+        self.manual_backward(losses.sum())
+        values = losses.detach().cpu().tolist()
+        it = self.iteration
+        for j, value in zip(active, values):
+            attack = self.attacks[j]
+            if value != value or value in (float("inf"), float("-inf")):
+                self.status[j] = "diverged"
+                continue
+            self.losses[j].append(value)
+            if value < self.best_loss[j]:
+                self.best_loss[j], self.best_iteration[j], self.since_best[j] = value, it, 0
+                self.best_images[j] = self.images[j].detach().clone()
+                learned = [self.learned[k] for kind, k in self.mask_slots[j] if kind == "learn"]
+                self.best_masks[j] = [m.detach().clone() for m in learned] if learned else None
+            else:
+                self.since_best[j] += 1
+            if self.best_loss[j] < attack.loss_threshold:
+                self.status[j] = "converged"
+            elif self.since_best[j] >= attack.patience:
+                self.status[j] = "no_improvement"
+            elif it + 1 >= attack.max_iterations:
+                self.status[j] = "max_iterations"
+            if self.status[j] != "running":
+                continue
+            image = self.images[j]
+            if attack.signed_gradients and image.grad is not None:
+                image.grad.sign_()  # the data gradient only; mask gradients stay as they are
+            self.job_optimizers[j].step()
+            self.job_schedulers[j].step(value)
+            with torch.no_grad():
+                if attack.boxed:
+                    image.copy_(torch.maximum(torch.minimum(image, self.box_high), self.box_low))
+                for kind, k in self.mask_slots[j]:
+                    if kind == "learn":
+                        self.learned[k].clamp_(0.0, 1.0)
+        self.iteration += 1
+        running = self.active()
+        self.log("active_jobs", float(len(running)), prog_bar=True, on_step=True, batch_size=1)
+        self.log("loss_mean", float(sum(values) / len(values)), prog_bar=True, on_step=True, batch_size=1)
+        if not running:
+            self.trainer.should_stop = True
+        return None
+
+    # -- checkpoints: the per-job state Lightning does not know about ------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["inversion"] = {
+            "iteration": self.iteration,
+            "status": self.status,
+            "best_loss": self.best_loss,
+            "best_iteration": self.best_iteration,
+            "since_best": self.since_best,
+            "losses": self.losses,
+            "best_images": self.best_images,
+            "best_masks": self.best_masks,
+            "optimizers": [o.state_dict() for o in self.job_optimizers],
+            "schedulers": [s.state_dict() for s in self.job_schedulers],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["inversion"]
+        for key in ("iteration", "status", "best_loss", "best_iteration", "since_best", "losses", "best_images", "best_masks"):
+            setattr(self, key, state[key])
+        for opt, s in zip(self.job_optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+        for sch, s in zip(self.job_schedulers, state["schedulers"]):
+            sch.load_state_dict(s)
+
+    # -- results ------------------------------------------------------------------------------------
+    def results(self) -> list[JobResult]:
+        out = []
+        pixels = self.B * int(torch.Size(self.jobs[0].spec.input_shape).numel())
+        for j, (job, attack) in enumerate(zip(self.jobs, self.attacks)):
+            best = self.best_images[j]
+            images = (best if best is not None else self.images[j].detach()).cpu()
+            masks = [m.cpu() for m in self.best_masks[j]] if self.best_masks[j] else None
+            learned = sum(self.learned[k].numel() for kind, k in self.mask_slots[j] if kind == "learn")
+            out.append(
+                JobResult(
+                    job.job_id,
+                    attack.name,
+                    images,
+                    masks,
+                    self.best_loss[j],
+                    self.best_iteration[j],
+                    len(self.losses[j]),
+                    self.status[j],
+                    pixels + learned,
+                    list(self.losses[j]),
+                )
+            )
+        return out

@@ -1,0 +1,120 @@
+"""From a run config to a finished run folder: victims -> jobs -> batched attack -> scores -> report."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fedsim.data import load_dataset, load_victim_file, partition_iid, sample_victims
+
+from .attacks import AttackConfig
+from .config import ConfigError, RunConfig, dump_config
+from .inversion import JobResult
+from .jobs import Oracle, VictimJob, jobs_from_images, model_from_job
+from .labels import recover_labels
+from .metrics import LpipsScorer
+from .report import atomic_write, write_results
+from .runner import run_jobs
+from .scoring import score_results
+
+
+class RunDirError(ValueError):
+    """The output folder cannot take this run (it holds a finished run)."""
+
+
+def build_victims(cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    v = cfg.victims
+    spec = cfg.model_spec()
+    channels = spec.input_shape[0]
+    if v.source == "file":
+        inputs, targets = load_victim_file(v.file)  # type: ignore[arg-type]
+        if inputs.shape[1] == 1 and channels == 3:
+            inputs = inputs.repeat(1, 3, 1, 1)  # the paper feeds MNIST to the CNNs as 3 channels
+        if tuple(inputs.shape[1:]) != tuple(spec.input_shape):
+            raise ConfigError(
+                f"victim file {v.file} holds images of shape {tuple(inputs.shape[1:])}, but {spec.name} on "
+                f"{spec.dataset} takes {tuple(spec.input_shape)}"
+            )
+        if inputs.shape[0] < v.count:
+            raise ConfigError(f"victim file {v.file} holds {inputs.shape[0]} images, fewer than victims.count={v.count}")
+        if int(targets.max()) >= spec.num_classes:
+            raise ConfigError(f"victim file {v.file} has labels up to {int(targets.max())}, the model has {spec.num_classes} classes")
+        b = v.batch_size
+        return [(inputs[i : i + b], targets[i : i + b]) for i in range(0, v.count, b)]
+    dataset = load_dataset(v.dataset, v.data_root, train=True, channels=channels)
+    parts = partition_iid(len(dataset), v.num_clients, v.seed)
+    try:
+        return sample_victims(dataset, parts[v.client], k=v.count, batch_size=v.batch_size, seed=v.seed)
+    except ValueError as err:
+        raise ConfigError(f"cannot sample victims: {err}") from None
+
+
+def apply_label_policy(jobs: list[VictimJob], policy: str) -> list[VictimJob]:
+    if policy == "known":
+        return jobs
+    model = model_from_job(jobs[0])
+    out = []
+    for job in jobs:
+        labels = recover_labels(model, job.gradient, job.batch_size)
+        out.append(replace(job, labels=labels, label_source="recovered"))
+    return out
+
+
+def prepare_run_dir(run_dir: Path) -> bool:
+    """True when resuming an interrupted run. A finished run is never overwritten."""
+    marker = run_dir / "run.json"
+    if marker.exists():
+        try:
+            state = json.loads(marker.read_text()).get("status")
+        except (OSError, ValueError):
+            state = "unknown"
+        if state == "finished":
+            raise RunDirError(f"{run_dir} already holds a finished run; choose another --out or remove it")
+        return True
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunDirError(f"{run_dir} exists and is not a run folder of this tool; choose another --out")
+    return False
+
+
+def run_attack(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, log: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Run every configured attack on every victim and write the run folder. Returns the summary."""
+    run_dir = Path(run_dir)
+    resuming = prepare_run_dir(run_dir)
+    if resuming:
+        log(f"resuming the interrupted run in {run_dir}")
+    started = time.time()
+    atomic_write(run_dir / "config.yaml", dump_config(cfg))
+    atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
+
+    batches = build_victims(cfg)
+    jobs, oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed)
+    jobs = apply_label_policy(jobs, cfg.labels)
+    attack_cfgs = cfg.attack_configs()
+    all_jobs: list[VictimJob] = []
+    all_attacks: list[AttackConfig] = []
+    all_oracles: list[Oracle | None] = []
+    for attack in attack_cfgs:
+        for job, oracle in zip(jobs, oracles):
+            all_jobs.append(job)
+            all_attacks.append(attack)
+            # Only WIIG receives the oracle (its masks); IG and DIA never do.
+            all_oracles.append(oracle if attack.masks == "oracle" else None)
+    log(f"{len(all_jobs)} victim jobs: {len(jobs)} victim batches x {len(attack_cfgs)} attacks "
+        f"({', '.join(a.name for a in attack_cfgs)}), {cfg.victims.model}/{cfg.victims.dataset}, p={cfg.victims.p}, B={cfg.victims.batch_size}")
+    results: list[JobResult] = run_jobs(
+        all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
+        checkpoint_every=cfg.checkpoint_every, progress=progress,
+    )
+    scoring_oracles: list[Oracle | None] = [o for _ in attack_cfgs for o in oracles]
+    lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None
+    rows = score_results(all_jobs, scoring_oracles, results, lpips)
+    summary = write_results(run_dir, all_jobs, scoring_oracles, results, rows,
+                            title=f"{cfg.victims.model} / {cfg.victims.dataset}, p = {cfg.victims.p}, B = {cfg.victims.batch_size}")
+    elapsed = time.time() - started
+    atomic_write(run_dir / "run.json", json.dumps({"status": "finished", "started": started, "seconds": elapsed}))
+    return {"summary": summary, "rows": rows, "seconds": elapsed, "run_dir": str(run_dir)}

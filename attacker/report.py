@@ -1,0 +1,184 @@
+"""Write a run's results: per-job metrics (CSV, JSON), a summary table, loss curves, the image
+grid, learned masks, and a short markdown report. Every file is written atomically."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save as save_safetensors  # noqa: E402
+
+from fedsim.data import denormalize, get_spec  # noqa: E402
+
+from .inversion import JobResult  # noqa: E402
+from .jobs import Oracle, VictimJob  # noqa: E402
+
+SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "mmd", "trd", "iterations")
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write to a temporary file in the same folder, then rename: no half-written file is ever seen."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _figure_bytes(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _csv(rows: list[dict[str, Any]]) -> str:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def summarize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and std per attack (and model, dataset, p, B) over victims."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["attack"], row["model"], row["dataset"], row["p"], row["batch_size"])].append(row)
+    summary = []
+    for (attack, model, dataset, p, b), members in groups.items():
+        entry: dict[str, Any] = {"attack": attack, "model": model, "dataset": dataset, "p": p, "batch_size": b, "victims": len(members)}
+        for key in SUMMARY_KEYS:
+            vals = [float(m[key]) for m in members if m.get(key) is not None and math.isfinite(float(m[key]))]
+            if vals:
+                t = torch.tensor(vals, dtype=torch.float64)
+                entry[f"{key}_mean"] = t.mean().item()
+                entry[f"{key}_std"] = t.std(unbiased=False).item()
+        entry["optimized_values"] = members[0]["optimized_values"]
+        entry["statuses"] = ",".join(sorted({m["status"] for m in members}))
+        summary.append(entry)
+    return summary
+
+
+def format_table(summary: list[dict[str, Any]]) -> str:
+    """Markdown table of the summary (SSIM in both spaces, labelled)."""
+    head = "| attack | model | data | p | B | victims | SSIM (paper space) | SSIM ([0,1]) | PSNR (paper) | LPIPS | MMD | TRD | optimized values |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(entry: dict, key: str, digits: int = 3) -> str:
+        if f"{key}_mean" not in entry:
+            return "–"
+        return f"{entry[f'{key}_mean']:.{digits}f} ± {entry[f'{key}_std']:.{digits}f}"
+
+    for e in summary:
+        lines.append(
+            f"| {e['attack']} | {e['model']} | {e['dataset']} | {e['p']} | {e['batch_size']} | {e['victims']} | "
+            f"{cell(e, 'ssim_paper')} | {cell(e, 'ssim_std')} | {cell(e, 'psnr_paper', 2)} | {cell(e, 'lpips')} | "
+            f"{cell(e, 'mmd')} | {cell(e, 'trd')} | {e['optimized_values']:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def image_grid(jobs: list[VictimJob], oracles: list[Oracle | None], results: list[JobResult], max_victims: int = 8) -> bytes:
+    """Originals in the first row, then one row per attack, one column per victim image."""
+    victims: list[str] = []
+    originals: dict[str, torch.Tensor] = {}
+    recons: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for job, oracle, res in zip(jobs, oracles, results):
+        if job.job_id not in originals and oracle is not None:
+            victims.append(job.job_id)
+            originals[job.job_id] = oracle.images
+        recons[res.attack][job.job_id] = res.images
+    victims = victims[:max_victims]
+    if not victims:
+        victims = sorted({j.job_id for j in jobs})[:max_victims]
+    spec = get_spec(jobs[0].spec.dataset, jobs[0].spec.input_shape[0])
+    rows = (["original"] if originals else []) + list(recons)
+    per_victim = jobs[0].batch_size
+    cols = len(victims) * per_victim
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.3 * cols, 1.4 * len(rows)), squeeze=False)
+    for r, row in enumerate(rows):
+        for v, victim in enumerate(victims):
+            batch = originals.get(victim) if row == "original" else recons[row].get(victim)
+            for b in range(per_victim):
+                ax = axes[r][v * per_victim + b]
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if batch is None:
+                    continue
+                img = denormalize(batch[b : b + 1].float(), spec)[0].clamp(0, 1).permute(1, 2, 0).numpy()
+                ax.imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
+            if v == 0:
+                axes[r][0].set_ylabel(row, fontsize=9)
+    return _figure_bytes(fig)
+
+
+def loss_plot(results: list[JobResult]) -> bytes:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors: dict[str, Any] = {}
+    for res in results:
+        if not res.losses:
+            continue
+        color = colors.setdefault(res.attack, f"C{len(colors)}")
+        ax.plot(res.losses, color=color, alpha=0.5, lw=0.8, label=res.attack if res.attack not in ax.get_legend_handles_labels()[1] else None)
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reconstruction loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _figure_bytes(fig)
+
+
+def write_results(
+    run_dir: Path,
+    jobs: list[VictimJob],
+    oracles: list[Oracle | None],
+    results: list[JobResult],
+    rows: list[dict[str, Any]],
+    title: str = "Gradient inversion run",
+) -> list[dict[str, Any]]:
+    run_dir = Path(run_dir)
+    summary = summarize_rows(rows)
+    atomic_write(run_dir / "metrics.csv", _csv(rows))
+    atomic_write(run_dir / "metrics.json", json.dumps(rows, indent=2, default=float))
+    atomic_write(run_dir / "summary.csv", _csv(summary))
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
+    curves = [{"job": r.job_id, "attack": r.attack, "iteration": i, "loss": v} for r in results for i, v in enumerate(r.losses)]
+    atomic_write(run_dir / "loss_curves.csv", _csv(curves) if curves else "job,attack,iteration,loss\n")
+    atomic_write(run_dir / "loss_curves.png", loss_plot(results))
+    atomic_write(run_dir / "grid.png", image_grid(jobs, oracles, results))
+    tensors = {}
+    for res in results:
+        tensors[f"{res.job_id}/{res.attack}/images"] = res.images.contiguous()
+        for i, m in enumerate(res.masks or []):
+            tensors[f"{res.job_id}/{res.attack}/mask{i:02d}"] = m.contiguous()
+    atomic_write(run_dir / "reconstructions.safetensors", save_safetensors(tensors))
+    labels = sorted({r["labels"] for r in rows})
+    report = (
+        f"# {title}\n\n"
+        f"Labels: {', '.join(labels)}. SSIM/PSNR in *paper space* are computed on normalized tensors with "
+        f"data_range = 1/std (the space of the paper's tables); *[0,1]* is the standard space.\n\n"
+        + format_table(summary)
+        + "\n![reconstructions](grid.png)\n\n![loss curves](loss_curves.png)\n"
+    )
+    atomic_write(run_dir / "report.md", report)
+    return summary

@@ -1,0 +1,90 @@
+"""Run many victim jobs: group those that can share one batched optimization, hand each group to
+Lightning's Trainer (GPU when there is one), checkpoint, resume, and collect the results."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import CSVLogger
+
+from .attacks import AttackConfig
+from .inversion import InversionModule, JobResult
+from .gradients import PerJobGradients
+from .jobs import Oracle, VictimJob, model_from_job
+
+log = logging.getLogger(__name__)
+
+
+def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
+    """Jobs sharing model spec, weights object and batch size run as one batched optimization."""
+    groups: dict[tuple, list[int]] = {}
+    for i, job in enumerate(jobs):
+        key = (json.dumps(job.spec.to_dict(), sort_keys=True), id(job.weights), job.batch_size)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def run_jobs(
+    jobs: list[VictimJob],
+    attacks: list[AttackConfig],
+    oracles: list[Oracle | None] | None,
+    run_dir: Path | str,
+    *,
+    seed: int = 0,
+    accelerator: str = "auto",
+    checkpoint_every: int = 250,
+    progress: bool = True,
+    max_jobs_per_group: int = 512,
+) -> list[JobResult]:
+    """Optimize every job; results come back in job order. An interrupted run resumes from the
+    groups' last checkpoints when called again with the same jobs and run_dir."""
+    run_dir = Path(run_dir)
+    results: list[JobResult | None] = [None] * len(jobs)
+    groups = []
+    for group in group_jobs(jobs):
+        for start in range(0, len(group), max_jobs_per_group):
+            groups.append(group[start : start + max_jobs_per_group])
+    # BatchNorm models cannot batch jobs: split them into single-job groups.
+    split = []
+    for group in groups:
+        batched = PerJobGradients.check(model_from_job(jobs[group[0]])) is None
+        split.extend([group] if batched else [[i] for i in group])
+    for g, group in enumerate(split):
+        module = InversionModule(
+            [jobs[i] for i in group],
+            [attacks[i] for i in group],
+            [oracles[i] for i in group] if oracles else None,
+            seed=seed,
+        )
+        module.chunk = checkpoint_every
+        max_iterations = max(attacks[i].max_iterations for i in group)
+        ckpt_dir = run_dir / "checkpoints" / f"group{g:03d}"
+        callbacks: list = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_epochs=1)]
+        if progress:
+            callbacks.append(RichProgressBar())
+        trainer = L.Trainer(
+            max_epochs=math.ceil(max_iterations / checkpoint_every),
+            accelerator=accelerator,
+            devices=1,
+            logger=CSVLogger(run_dir, name="logs", version=f"group{g:03d}"),
+            callbacks=callbacks,
+            enable_model_summary=False,
+            enable_progress_bar=progress,
+            log_every_n_steps=min(50, checkpoint_every),
+            inference_mode=False,
+            num_sanity_val_steps=0,
+        )
+        last = ckpt_dir / "last.ckpt"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
+            trainer.fit(module, ckpt_path=str(last) if last.exists() else None)
+        for i, result in zip(group, module.results()):
+            results[i] = result
+    return [r for r in results if r is not None]

@@ -1,0 +1,362 @@
+"""Capture and oracle records, and their safe on-disk store.
+
+A *capture* is what the honest-but-curious server saw from one client in one round: the model spec
+and the global weights it sent, the hyperparameters it sent, and the client's reply (its recovered
+gradient for a one-step SGD round, else its update), plus labels when the audit assumes they are
+known. An *oracle* record is the client's ground truth (true images, labels, dropout masks). The two
+are different types, stored in different folders, and a loader of one refuses the other.
+
+On disk, every record is a folder holding two files:
+  ``record.json``            metadata: format, schema version, kind, spec, round, client, ... and
+                             the SHA-256 of the tensor file;
+  ``tensors.safetensors``    every tensor (never pickle: loading a capture can never run code).
+The folder is written under a hidden temporary name and renamed into place, so a reader sees both
+files or no record at all; a failed write removes its temporary folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fedsim.models import ModelSpec, ModelSpecError, build_model
+
+SCHEMA_VERSION = 1
+CAPTURE_FORMAT = "fedsim.capture"
+ORACLE_FORMAT = "fedsim.oracle"
+META_FILE = "record.json"
+TENSOR_FILE = "tensors.safetensors"
+CAPTURE_KINDS = ("gradient", "update")
+LABEL_POLICIES = ("known", "unknown")
+
+
+class CaptureError(ValueError):
+    """A capture or oracle record that is missing, foreign, corrupt or inconsistent."""
+
+
+@dataclass
+class Capture:
+    """What the server saw from one client in one round (no ground truth in here).
+
+    ``gradient``: list of tensors in ``model.parameters()`` order (kind "gradient");
+    ``update``: state-dict-keyed ``global - local`` (kind "update"; for one SGD step it is lr * gradient).
+    """
+
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]
+    kind: str
+    round: int
+    client: int  # partition id (stable across rounds); node_id is Flower's id for the node
+    node_id: int
+    batch_size: int
+    num_examples: int
+    lr: float
+    label_policy: str
+    param_names: list[str]
+    gradient: list[torch.Tensor] | None = None
+    update: dict[str, torch.Tensor] | None = None
+    labels: torch.Tensor | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def p(self) -> float:
+        return float(self.spec.p)
+
+    def build_model(self) -> torch.nn.Module:
+        """The captured model, with the global weights the server sent."""
+        model = build_model(self.spec)
+        model.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in self.weights.items()})
+        return model
+
+
+@dataclass
+class OracleRecord:
+    """Ground truth of one client's one-step round: for scoring and WIIG only, never for IG/DIA."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    masks: list[torch.Tensor]  # in ``dropout_layers`` (forward) order
+    round: int
+    client: int
+    node_id: int
+    path: Path | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------------
+
+
+def record_name(round_: int, client: int, node_id: int) -> str:
+    return f"r{round_:04d}_c{client:03d}_n{node_id}"
+
+
+def _write_record(directory: Path, name: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``name`` atomically under ``directory``: both files appear together or not at all."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / name
+    if final.exists():
+        raise CaptureError(f"record {final} already exists; refusing to overwrite it")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=directory))
+    try:
+        blob = st_save(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            metadata={"format": meta["format"], "schema_version": str(SCHEMA_VERSION)},
+        )
+        (tmp / TENSOR_FILE).write_bytes(blob)
+        meta = dict(meta, tensors_sha256=hashlib.sha256(blob).hexdigest())
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for file in (tmp / TENSOR_FILE, tmp / META_FILE):
+            with open(file, "rb") as fh:  # durable before the rename makes the record visible
+                os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_capture(directory: str | Path, capture: Capture) -> Path:
+    """Store ``capture`` as a new record folder under ``directory``; returns its path."""
+    if capture.kind not in CAPTURE_KINDS:
+        raise CaptureError(f"capture kind must be one of {CAPTURE_KINDS}, got {capture.kind!r}")
+    if capture.label_policy not in LABEL_POLICIES:
+        raise CaptureError(f"label policy must be one of {LABEL_POLICIES}, got {capture.label_policy!r}")
+    tensors: dict[str, torch.Tensor] = {f"weights/{k}": v for k, v in capture.weights.items()}
+    if capture.kind == "gradient":
+        if capture.gradient is None or len(capture.gradient) != len(capture.param_names):
+            raise CaptureError("a gradient capture needs one gradient tensor per parameter name")
+        tensors.update({f"gradient/{n}": g for n, g in zip(capture.param_names, capture.gradient)})
+    else:
+        if capture.update is None:
+            raise CaptureError("an update capture needs its update")
+        tensors.update({f"update/{k}": v for k, v in capture.update.items()})
+    if capture.label_policy == "known":
+        if capture.labels is None:
+            raise CaptureError("label policy 'known' needs the labels")
+        tensors["labels"] = capture.labels.to(torch.int64)
+    meta = {
+        "format": CAPTURE_FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "kind": capture.kind,
+        "spec": capture.spec.to_dict(),
+        "p": capture.p,
+        "round": int(capture.round),
+        "client": int(capture.client),
+        "node_id": int(capture.node_id),
+        "batch_size": int(capture.batch_size),
+        "num_examples": int(capture.num_examples),
+        "lr": float(capture.lr),
+        "label_policy": capture.label_policy,
+        "param_names": list(capture.param_names),
+        "weight_names": list(capture.weights),
+        "hyperparameters": _jsonable(capture.hyperparameters),
+    }
+    return _write_record(Path(directory), record_name(capture.round, capture.client, capture.node_id), meta, tensors)
+
+
+def save_oracle(directory: str | Path, oracle: OracleRecord) -> Path:
+    """Store ``oracle`` as a new record folder under ``directory`` (keep it apart from captures)."""
+    tensors = {"images": oracle.images, "labels": oracle.labels.to(torch.int64)}
+    tensors.update({f"masks/{i}": m for i, m in enumerate(oracle.masks)})
+    meta = {
+        "format": ORACLE_FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "round": int(oracle.round),
+        "client": int(oracle.client),
+        "node_id": int(oracle.node_id),
+        "num_masks": len(oracle.masks),
+    }
+    return _write_record(Path(directory), record_name(oracle.round, oracle.client, oracle.node_id), meta, tensors)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_record(path: str | Path, expected_format: str) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    path = Path(path)
+    if path.is_file() and path.name in (META_FILE, TENSOR_FILE):
+        path = path.parent  # accept either file of a record as well as its folder
+    what = "capture" if expected_format == CAPTURE_FORMAT else "oracle record"
+    if not path.is_dir():
+        raise CaptureError(f"{what} {path} does not exist or is not a record folder")
+    meta_path, tensor_path = path / META_FILE, path / TENSOR_FILE
+    for file in (meta_path, tensor_path):
+        if not file.is_file():
+            raise CaptureError(f"{what} {path} is incomplete: {file.name} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CaptureError(f"{what} {path}: {META_FILE} is not valid JSON ({exc.__class__.__name__})") from None
+    if not isinstance(meta, dict) or "format" not in meta:
+        raise CaptureError(f"{what} {path}: {META_FILE} is not a fedsim record")
+    if meta["format"] != expected_format:
+        raise CaptureError(f"{path} is a {meta['format']!r} record, expected {expected_format!r}")
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise CaptureError(
+            f"{what} {path} has schema version {meta.get('schema_version')!r}; this reader knows {SCHEMA_VERSION}"
+        )
+    blob = tensor_path.read_bytes()
+    if hashlib.sha256(blob).hexdigest() != meta.get("tensors_sha256"):
+        raise CaptureError(f"{what} {path}: {TENSOR_FILE} is corrupt or truncated (checksum mismatch)")
+    try:
+        tensors = st_load(blob)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise CaptureError(f"{what} {path}: {TENSOR_FILE} is not a valid safetensors file ({exc})") from None
+    return path, meta, tensors
+
+
+def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def load_capture(path: str | Path, check_model: bool = True) -> Capture:
+    """Read one capture (its folder, or either of its files). Raises :class:`CaptureError` with a
+    one-line reason when the record is foreign, corrupt, or does not match its model spec.
+
+    ``check_model`` builds the model from the spec and checks every tensor name and shape."""
+    path, meta, tensors = _read_record(path, CAPTURE_FORMAT)
+    try:
+        spec = ModelSpec.from_dict(meta["spec"])
+        kind = meta["kind"]
+        param_names = list(meta["param_names"])
+        weights = _prefixed(tensors, "weights/")
+        if kind not in CAPTURE_KINDS:
+            raise CaptureError(f"capture {path}: unknown kind {kind!r}")
+        if set(weights) != set(meta["weight_names"]):
+            raise CaptureError(f"capture {path}: weight tensors do not match the names in {META_FILE}")
+        weights = {k: weights[k] for k in meta["weight_names"]}  # state-dict order
+        gradient = update = None
+        if kind == "gradient":
+            found = _prefixed(tensors, "gradient/")
+            if set(found) != set(param_names):
+                raise CaptureError(f"capture {path}: gradient tensors do not match the parameter names")
+            gradient = [found[n] for n in param_names]
+        else:
+            update = _prefixed(tensors, "update/")
+            if set(update) != set(weights):
+                raise CaptureError(f"capture {path}: update tensors do not match the weight names")
+        labels = tensors.get("labels")
+        if meta["label_policy"] == "known" and labels is None:
+            raise CaptureError(f"capture {path}: label policy 'known' but no labels stored")
+        if labels is not None and labels.shape != (int(meta["batch_size"]),):
+            raise CaptureError(f"capture {path}: {labels.shape[0]} labels for batch size {meta['batch_size']}")
+        capture = Capture(
+            spec=spec,
+            weights=weights,
+            kind=kind,
+            round=int(meta["round"]),
+            client=int(meta["client"]),
+            node_id=int(meta["node_id"]),
+            batch_size=int(meta["batch_size"]),
+            num_examples=int(meta["num_examples"]),
+            lr=float(meta["lr"]),
+            label_policy=str(meta["label_policy"]),
+            param_names=param_names,
+            gradient=gradient,
+            update=update,
+            labels=labels,
+            hyperparameters=dict(meta.get("hyperparameters", {})),
+            path=path,
+        )
+    except KeyError as exc:
+        raise CaptureError(f"capture {path}: {META_FILE} lacks the field {exc.args[0]!r}") from None
+    except (ModelSpecError, TypeError) as exc:
+        raise CaptureError(f"capture {path}: bad model spec ({exc})") from None
+    if check_model:
+        _check_against_model(capture)
+    return capture
+
+
+def _check_against_model(capture: Capture) -> None:
+    try:
+        model = build_model(capture.spec)
+    except ModelSpecError as exc:
+        raise CaptureError(f"capture {capture.path}: bad model spec ({exc})") from None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in capture.weights.items()}
+    if expected != found:
+        diff = sorted(set(expected.items()) ^ set(found.items()))[:3]
+        raise CaptureError(f"capture {capture.path}: weights do not fit model {capture.spec.name!r} (e.g. {diff})")
+    names = [n for n, _ in model.named_parameters()]
+    if names != capture.param_names:
+        raise CaptureError(f"capture {capture.path}: parameter names do not match model {capture.spec.name!r}")
+    if capture.gradient is not None:
+        for (name, param), grad in zip(model.named_parameters(), capture.gradient):
+            if tuple(param.shape) != tuple(grad.shape):
+                raise CaptureError(
+                    f"capture {capture.path}: gradient of {name} has shape {tuple(grad.shape)}, model has {tuple(param.shape)}"
+                )
+
+
+def load_oracle(path: str | Path) -> OracleRecord:
+    """Read one oracle record; :class:`CaptureError` when it is foreign, corrupt or incomplete."""
+    path, meta, tensors = _read_record(path, ORACLE_FORMAT)
+    try:
+        masks = [tensors[f"masks/{i}"] for i in range(int(meta["num_masks"]))]
+        return OracleRecord(
+            images=tensors["images"],
+            labels=tensors["labels"],
+            masks=masks,
+            round=int(meta["round"]),
+            client=int(meta["client"]),
+            node_id=int(meta["node_id"]),
+            path=path,
+        )
+    except KeyError as exc:
+        raise CaptureError(f"oracle record {path}: missing {exc.args[0]!r}") from None
+
+
+def _list_records(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    # Hidden names are unfinished writes; only complete folders count.
+    return sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).is_file())
+
+
+def list_captures(directory: str | Path) -> list[Path]:
+    """Complete capture folders under ``directory`` (a run folder or its ``captures/``), sorted
+    by round then client."""
+    directory = Path(directory)
+    if (directory / "captures").is_dir():
+        directory = directory / "captures"
+    return _list_records(directory)
+
+
+def list_oracles(directory: str | Path) -> list[Path]:
+    """Complete oracle folders under ``directory`` (a run folder or its ``oracle/``)."""
+    directory = Path(directory)
+    if (directory / "oracle").is_dir():
+        directory = directory / "oracle"
+    return _list_records(directory)
+
+
+def find_oracle(run_dir: str | Path, capture: Capture) -> OracleRecord:
+    """The oracle record of the same round and client as ``capture``, from a run folder."""
+    path = Path(run_dir) / "oracle" / record_name(capture.round, capture.client, capture.node_id)
+    return load_oracle(path)

@@ -1,0 +1,96 @@
+"""Flower ClientApp (Message API): local training with dropout, and one-step rounds for capture.
+
+A train reply holds exactly one ArrayRecord ("arrays") and one MetricRecord ("metrics", with
+"num-examples"), as FedAvg requires; what else the client discloses goes in ConfigRecords:
+"meta" (mode, batch size, lr, and the labels when the audit assumes them known) and, only in audit
+mode, "oracle" (true images, labels and dropout masks as safetensors bytes: a ConfigRecord because
+FedAvg allows one ArrayRecord per reply). The server keeps the oracle apart from its captures.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+from safetensors.torch import save as st_save  # noqa: E402
+from torch.utils.data import Subset  # noqa: E402
+
+from fedsim import task  # noqa: E402
+from fedsim.run_config import resolve_config  # noqa: E402
+
+app = ClientApp()
+
+
+def _config(msg: Message, context: Context) -> dict[str, Any]:
+    """Run config (pyproject/flwr run) overlaid by what the server sent this round."""
+    sent = msg.content.get("config", ConfigRecord())
+    return resolve_config(dict(context.run_config), dict(sent), strict=False)
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+
+
+def oracle_bytes(result: task.OneStepResult) -> bytes:
+    """Serialize the ground truth of a one-step round (safetensors: no pickle on the wire either)."""
+    tensors = {"images": result.images.contiguous(), "labels": result.labels.to(torch.int64).contiguous()}
+    tensors.update({f"masks/{i}": m.contiguous() for i, m in enumerate(result.masks)})
+    return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(result.masks))})
+
+
+def handle_train(msg: Message, context: Context) -> Message:
+    cfg = _config(msg, context)
+    partition_id, num_partitions = _partition(context)
+    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
+    one_step = bool(msg.content["config"].get("one-step", False)) if "config" in msg.content else False
+    model = task.make_model(cfg, msg.content["arrays"].to_torch_state_dict())
+    train = task.load_split(cfg, train=True)
+    indices = task.partition_indices(cfg, train, partition_id, num_partitions)
+    seed = hash((int(cfg["seed"]), server_round, partition_id)) & 0x7FFFFFFF
+    meta = ConfigRecord({"partition-id": partition_id, "server-round": server_round})
+    content = RecordDict()
+    if one_step:
+        images, labels = task.victim_batch(cfg, train, indices, server_round, partition_id)
+        lr = float(cfg["onestep-lr"])
+        result = task.one_step(model, images, labels, lr, bool(cfg["onestep-float64"]), seed=seed)
+        arrays = ArrayRecord(result.local_state)
+        metrics = MetricRecord({"num-examples": len(labels), "train-loss": result.loss})
+        meta.update({"mode": "one-step", "batch-size": len(labels), "lr": lr})
+        if cfg["label-policy"] == "known":
+            meta["labels"] = [int(v) for v in labels]  # the audit's "labels known" assumption
+        if cfg["audit"]:
+            content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(result)})
+    else:
+        stats = task.train_local(model, Subset(train, indices.tolist()), cfg, seed=seed)
+        arrays = ArrayRecord(model.state_dict())
+        metrics = MetricRecord({"num-examples": len(indices), "train-loss": stats["train-loss"]})
+        meta.update({"mode": "train", "batch-size": int(cfg["batch-size"]), "lr": float(cfg["lr"]),
+                     "local-steps": int(stats["local-steps"])})
+    content["arrays"] = arrays
+    content["metrics"] = metrics
+    content["meta"] = meta
+    return Message(content=content, reply_to=msg)
+
+
+def handle_evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate the received model on this client's share of the test split."""
+    cfg = _config(msg, context)
+    partition_id, num_partitions = _partition(context)
+    model = task.make_model(cfg, msg.content["arrays"].to_torch_state_dict())
+    test = task.load_split(cfg, train=False)
+    indices = task.partition_indices(cfg, test, partition_id, num_partitions)
+    stats = task.evaluate(model, Subset(test, indices.tolist()), int(cfg["eval-batch-size"]))
+    metrics = MetricRecord({"num-examples": len(indices), "accuracy": stats["accuracy"], "loss": stats["loss"]})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+# Plain functions above so tests can call them directly; registered with the app here.
+app.train()(handle_train)
+app.evaluate()(handle_evaluate)

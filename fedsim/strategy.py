@@ -1,0 +1,179 @@
+"""The honest-but-curious server: FedAvg that records what each client sends in chosen rounds.
+
+Recording is a side channel only: aggregation is FedAvg's own code on the same replies, so the
+global model is the same with capture on or off. In capture rounds of kind "gradient" the server
+asks clients for a one-step round (plain SGD, one step on B victim images) and recovers the exact
+gradient as (global - local) / lr; otherwise it stores the update (global - local).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from safetensors.torch import load as st_load
+
+from fedsim.capture import Capture, CaptureError, OracleRecord, save_capture, save_oracle
+from fedsim.models import ModelSpec, build_model
+
+logger = logging.getLogger("fedsim.strategy")
+
+
+class CuriousFedAvg(FedAvg):
+    """FedAvg that captures client replies in ``capture_rounds`` (a set of rounds, or "all").
+
+    Captures go to ``capture_dir`` and oracle records (audit mode) to ``oracle_dir`` when given,
+    and to ``self.captures`` / ``self.oracles`` when ``keep_in_memory``. Setting ``stopped`` makes
+    every later round a no-op (early stopping without leaving FedAvg's ``start`` loop).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        capture_rounds: Iterable[int] | str | None = None,
+        capture_kind: str = "gradient",
+        label_policy: str = "known",
+        capture_dir: str | Path | None = None,
+        oracle_dir: str | Path | None = None,
+        keep_in_memory: bool = False,
+        **fedavg_kwargs: Any,
+    ) -> None:
+        super().__init__(**fedavg_kwargs)
+        if capture_kind not in ("gradient", "update"):
+            raise ValueError(f"capture_kind must be 'gradient' or 'update', got {capture_kind!r}")
+        self.spec = spec
+        self.capture_rounds: set[int] | str = (
+            "all" if capture_rounds == "all" else set(capture_rounds or ())  # type: ignore[arg-type]
+        )
+        self.capture_kind = capture_kind
+        self.label_policy = label_policy
+        self.capture_dir = Path(capture_dir) if capture_dir is not None else None
+        self.oracle_dir = Path(oracle_dir) if oracle_dir is not None else None
+        self.keep_in_memory = keep_in_memory
+        self.captures: list[Capture] = []
+        self.oracles: list[OracleRecord] = []
+        self.capture_paths: list[Path] = []
+        self.train_metrics: dict[int, dict[str, float]] = {}
+        self.num_replies: dict[int, int] = {}
+        self.stopped = False
+        # aggregate_train does not receive what was sent: keep it from configure_train.
+        self._sent: dict[int, tuple[ArrayRecord, dict[str, Any]]] = {}
+        self._param_names = [n for n, _ in build_model(spec).named_parameters()]
+
+    def is_capture_round(self, server_round: int) -> bool:
+        return self.capture_rounds == "all" or server_round in self.capture_rounds  # type: ignore[operator]
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.stopped:
+            return []
+        config = ConfigRecord(dict(config))  # a copy: start() reuses one ConfigRecord for every round
+        config["one-step"] = self.is_capture_round(server_round) and self.capture_kind == "gradient"
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._sent = {server_round: (arrays, dict(config))}  # only the current round is needed
+        return messages
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.stopped:
+            return []
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)  # may be a one-shot iterable; we read it twice
+        valid = [m for m in replies if not m.has_error()]
+        self.num_replies[server_round] = len(valid)
+        if self.is_capture_round(server_round) and server_round in self._sent:
+            global_arrays, sent_config = self._sent[server_round]
+            global_state = global_arrays.to_torch_state_dict()
+            for msg in valid:
+                self._capture(server_round, msg, global_state, sent_config)
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None and server_round in self._sent:
+            arrays = _match_dtypes(arrays, self._sent[server_round][0])
+        if metrics is not None:
+            self.train_metrics[server_round] = {k: float(v) for k, v in metrics.items() if not isinstance(v, list)}
+        return arrays, metrics
+
+    # ------------------------------------------------------------------------------------------
+
+    def _capture(
+        self, server_round: int, msg: Message, global_state: dict[str, torch.Tensor], sent: dict[str, Any]
+    ) -> None:
+        content = msg.content
+        meta = dict(content["meta"]) if "meta" in content else {}
+        local_state = content["arrays"].to_torch_state_dict()
+        metrics = content["metrics"]
+        lr = float(meta.get("lr", sent.get("lr", 0.0)))
+        one_step = meta.get("mode") == "one-step"
+        labels = torch.tensor(meta["labels"], dtype=torch.int64) if "labels" in meta else None
+        common = dict(
+            spec=self.spec,
+            weights=global_state,
+            round=server_round,
+            client=int(meta.get("partition-id", -1)),
+            node_id=int(msg.metadata.src_node_id),
+            batch_size=int(meta.get("batch-size", 0)),
+            num_examples=int(metrics["num-examples"]),
+            lr=lr,
+            param_names=self._param_names,
+            hyperparameters=sent,
+        )
+        if one_step:
+            if lr <= 0:
+                raise CaptureError(f"round {server_round}: one-step reply without a positive lr")
+            # float64 difference: with float64 local weights this is the client's gradient exactly
+            gradient = [
+                ((global_state[n].double() - local_state[n].double()) / lr).to(global_state[n].dtype)
+                for n in self._param_names
+            ]
+            capture = Capture(kind="gradient", gradient=gradient, labels=labels,
+                              label_policy="known" if labels is not None else "unknown", **common)
+        else:
+            update = {
+                k: (v.double() - local_state[k].double()).to(v.dtype) if v.is_floating_point() else local_state[k]
+                for k, v in global_state.items()
+            }
+            capture = Capture(kind="update", update=update, labels=None, label_policy="unknown", **common)
+        if self.capture_dir is not None:
+            self.capture_paths.append(save_capture(self.capture_dir, capture))
+        if self.keep_in_memory:
+            self.captures.append(capture)
+        if "oracle" in content:
+            oracle = _parse_oracle(content["oracle"], server_round, capture.client, capture.node_id)
+            if self.oracle_dir is not None:
+                save_oracle(self.oracle_dir, oracle)
+            if self.keep_in_memory:
+                self.oracles.append(oracle)
+
+
+def _parse_oracle(record: ConfigRecord, server_round: int, client: int, node_id: int) -> OracleRecord:
+    tensors = st_load(bytes(record["safetensors"]))
+    num_masks = sum(1 for k in tensors if k.startswith("masks/"))
+    return OracleRecord(
+        images=tensors["images"],
+        labels=tensors["labels"],
+        masks=[tensors[f"masks/{i}"] for i in range(num_masks)],
+        round=server_round,
+        client=client,
+        node_id=node_id,
+    )
+
+
+def _match_dtypes(arrays: ArrayRecord, like: ArrayRecord) -> ArrayRecord:
+    """Keep the global model in its own dtype (one-step replies may come in float64)."""
+    state, ref = arrays.to_torch_state_dict(), like.to_torch_state_dict()
+    if all(state[k].dtype == ref[k].dtype for k in state if k in ref):
+        return arrays
+    return ArrayRecord({k: v.to(ref[k].dtype) if k in ref else v for k, v in state.items()})
