@@ -38,7 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "capture-rounds": "",  # "" none, "all", or "1,3,5"
     "capture-kind": "gradient",  # gradient: one-step SGD rounds on B victims; update: normal rounds
     "victim-batch-size": 1,
-    "onestep-lr": 0.1,
+    "onestep-lr": 1e-3,  # small: a one-step round should not disturb training
     "onestep-float64": True,  # send one-step weights in float64 so (global - local)/lr is exact
     "label-policy": "known",  # known | unknown
     "audit": False,  # clients also return the oracle (true images, labels, masks)

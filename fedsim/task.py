@@ -87,7 +87,7 @@ def train_local(
                 loss = F.cross_entropy(model(images), labels)
                 loss.backward()
                 optimizer.step()
-                total += float(loss)
+                total += loss.detach().item()
                 steps += 1
                 if 0 < max_steps <= steps:
                     break
@@ -155,4 +155,4 @@ def one_step(
     local = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state.items()}
     for name, grad in zip(names, grads):
         local[name] = local[name] - lr * grad.to(local[name].dtype)
-    return OneStepResult(local, [g.detach() for g in grads], names, images, labels, masks, float(loss))
+    return OneStepResult(local, [g.detach() for g in grads], names, images, labels, masks, loss.detach().item())

@@ -1,0 +1,56 @@
+"""Run the federation in Flower's simulation engine (Ray backend) from Python."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+import json  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from fedsim.run_config import resolve_config  # noqa: E402
+
+
+def run_simulation_job(
+    config: Mapping[str, Any] | None = None, *, cpus_per_client: float = 1.0, verbose: bool = False
+) -> Path:
+    """Run one simulated federation and return its run folder (see ``fedsim.server_app``).
+
+    ``config`` uses the run config keys (``fedsim.run_config.DEFAULTS``; ``_`` may replace ``-``).
+    The run folder must be new or empty, so results of different runs never mix."""
+    cfg = resolve_config(config)
+    run_dir = Path(cfg["run-dir"]).expanduser().resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"run folder {run_dir} is not empty; choose a new --run-dir")
+    # Absolute paths: Ray workers need not share the driver's working directory.
+    cfg["run-dir"] = str(run_dir)
+    cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())
+
+    from flwr.simulation import run_simulation
+
+    from fedsim.client_app import app as client_app
+    from fedsim.server_app import make_server_app
+
+    backend_config = {
+        # Flower's default is 2 CPUs per virtual client, which leaves one client at a time on 2 cores.
+        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+        "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False},
+    }
+    run_simulation(
+        server_app=make_server_app(cfg),
+        client_app=client_app,
+        num_supernodes=int(cfg["num-clients"]),
+        backend_config=backend_config,  # type: ignore[arg-type]
+        verbose_logging=verbose,
+    )
+    if not (run_dir / "results.json").is_file():
+        raise RuntimeError(f"the simulation ended without results; see the log above (run folder {run_dir})")
+    return run_dir
+
+
+def load_results(run_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "results.json").read_text())
