@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or f"runs/{args.command}-{datetime.now():%Y%m%d-%H%M%S}")
         result = run_attack(cfg, out, progress=not args.quiet, log=lambda m: console.print(m))
     except USER_ERRORS as err:
-        console.print(f"[bold red]error:[/bold red] {err}", highlight=False)
+        console.print(f"[bold red]error:[/bold red] {err}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: run the same command again to resume from the last checkpoint[/yellow]")

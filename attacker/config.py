@@ -77,8 +77,13 @@ def _expect(value: Any, types: type | tuple, key: str) -> None:
 def parse_config(data: dict[str, Any]) -> RunConfig:
     """Validate a config mapping (unknown keys, types, ranges) and return the resolved config."""
     _check_keys(data, RunConfig, "")
-    victims = dict(data.get("victims") or {})
+    victims = data.get("victims") or {}
     _check_keys(victims, VictimConfig, "victims")
+    victims = dict(victims)
+    if not isinstance(data.get("attack_overrides") or {}, dict):
+        raise ConfigError("attack_overrides must be a mapping of attack settings")
+    if "attacks" in data and (not isinstance(data["attacks"], list) or not all(isinstance(a, str) for a in data["attacks"])):
+        raise ConfigError("attacks must be a list of attack names")
     for key, types in (("model", str), ("dataset", str), ("source", str), ("data_root", str)):
         if key in victims:
             _expect(victims[key], types, f"victims.{key}")

@@ -1,0 +1,158 @@
+"""The federated side: client app, curious strategy, and a real Ray simulation on offline MNIST."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+import csv  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+
+from fedsim import task  # noqa: E402
+from fedsim.capture import find_oracle, list_captures, list_oracles, load_capture  # noqa: E402
+from fedsim.client_app import handle_evaluate, handle_train  # noqa: E402
+from fedsim.data import DataUnavailableError  # noqa: E402
+from fedsim.models import set_dropout_mode, set_masks  # noqa: E402
+from fedsim.run_config import resolve_config  # noqa: E402
+from fedsim.strategy import CuriousFedAvg  # noqa: E402
+
+NODE_IDS = [1111, 2222]
+
+
+class FakeGrid:
+    """Just enough of a Grid for FedAvg's node sampling."""
+
+    def get_node_ids(self) -> list[int]:
+        return list(NODE_IDS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def task_identity() -> None:
+    """Messages built outside a running Flower app need a task identity (a run sets its own)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+
+
+@pytest.fixture(scope="module")
+def cfg() -> dict[str, Any]:
+    config = resolve_config({"num-clients": 2, "download": False, "local-steps": 2, "victim-batch-size": 2,
+                             "audit": True, "model-options": '{"width": 64}'})
+    try:
+        task.load_split(config, train=True)
+    except DataUnavailableError as exc:
+        pytest.skip(f"no offline MNIST sample: {exc}")
+    return config
+
+
+def _context(partition_id: int, node_id: int) -> Context:
+    return Context(run_id=1, node_id=node_id, node_config={"partition-id": partition_id, "num-partitions": 2},
+                   state=RecordDict(), run_config={})
+
+
+def _strategy(cfg: dict[str, Any], **kwargs: Any) -> CuriousFedAvg:
+    return CuriousFedAvg(task.model_spec(cfg), min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0,
+                         **kwargs)
+
+
+def _round(strategy: CuriousFedAvg, cfg: dict[str, Any], server_round: int) -> tuple[ArrayRecord, list[Message]]:
+    """One training round driven by hand: configure, run each client directly, return the replies."""
+    arrays = ArrayRecord(task.make_model(cfg).state_dict())
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(dict(cfg)), FakeGrid()))
+    replies = []
+    for msg in messages:
+        partition = NODE_IDS.index(msg.metadata.dst_node_id)
+        replies.append(handle_train(msg, _context(partition, msg.metadata.dst_node_id)))
+    return arrays, replies
+
+
+def test_captured_one_step_gradient_is_the_clients_gradient(cfg: dict[str, Any]) -> None:
+    strategy = _strategy(cfg, capture_rounds="all", keep_in_memory=True)
+    arrays, replies = _round(strategy, cfg, 1)
+    strategy.aggregate_train(1, replies)
+    assert len(strategy.captures) == 2 and len(strategy.oracles) == 2
+    for capture, oracle in zip(strategy.captures, strategy.oracles):
+        assert capture.kind == "gradient" and capture.batch_size == 2 and capture.lr == cfg["onestep-lr"]
+        assert torch.equal(capture.labels, oracle.labels)  # known-label policy
+        assert capture.node_id in NODE_IDS and capture.client == NODE_IDS.index(capture.node_id)
+        assert all(torch.equal(capture.weights[k], v) for k, v in arrays.to_torch_state_dict().items())
+        # the client's gradient, computed directly: same model, weights, masks and batch
+        model = task.make_model(cfg, capture.weights)
+        set_dropout_mode(model, "replay")
+        set_masks(model, oracle.masks)
+        model.train()
+        loss = F.cross_entropy(model(oracle.images), oracle.labels)
+        expected = torch.autograd.grad(loss, list(model.parameters()))
+        for got, want in zip(capture.gradient, expected, strict=True):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-10)
+        assert sum(float(g.abs().sum()) for g in expected) > 0
+
+
+def test_capture_never_changes_aggregation(cfg: dict[str, Any], tmp_path: Path) -> None:
+    for kind, one_step in (("update", False), ("gradient", True)):
+        driver = _strategy(cfg, capture_rounds="all" if one_step else None)
+        _, replies = _round(driver, cfg, 1)  # the same replies go to both strategies
+        on = _strategy(cfg, capture_rounds="all", capture_kind=kind, capture_dir=tmp_path / kind / "captures",
+                       oracle_dir=tmp_path / kind / "oracle")
+        off = _strategy(cfg)
+        arrays = ArrayRecord(task.make_model(cfg).state_dict())
+        for strategy in (on, off):  # both must have "sent" the round's global model
+            list(strategy.configure_train(1, arrays, ConfigRecord(dict(cfg)), FakeGrid()))
+        agg_on, metrics_on = on.aggregate_train(1, replies)
+        agg_off, metrics_off = off.aggregate_train(1, replies)
+        sd_on, sd_off = agg_on.to_torch_state_dict(), agg_off.to_torch_state_dict()
+        assert list(sd_on) == list(sd_off)
+        assert all(torch.equal(sd_on[k], sd_off[k]) and sd_on[k].dtype == torch.float32 for k in sd_on)
+        assert dict(metrics_on) == dict(metrics_off)
+        captures = [load_capture(p) for p in list_captures(tmp_path / kind)]
+        assert len(captures) == 2 and {c.kind for c in captures} == {kind}
+        assert len(list_oracles(tmp_path / kind)) == (2 if one_step else 0)
+        if kind == "update":
+            assert captures[0].update is not None and captures[0].labels is None
+
+
+def test_client_evaluate(cfg: dict[str, Any]) -> None:
+    arrays = ArrayRecord(task.make_model(cfg).state_dict())
+    msg = Message(content=RecordDict({"arrays": arrays, "config": ConfigRecord(dict(cfg))}),
+                  dst_node_id=NODE_IDS[0], message_type="evaluate")
+    reply = handle_evaluate(msg, _context(0, NODE_IDS[0]))
+    metrics = reply.content["metrics"]
+    assert metrics["num-examples"] > 0 and 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
+
+
+def test_ray_simulation_writes_captures_and_accuracy(cfg: dict[str, Any], tmp_path: Path) -> None:
+    from fedsim.simulation import load_results, run_simulation_job
+
+    run_dir = run_simulation_job({
+        "num-clients": 3, "num-server-rounds": 2, "capture-rounds": "2", "audit": True, "download": False,
+        "local-steps": 3, "victim-batch-size": 2, "run-dir": str(tmp_path / "run"),
+    })
+    with open(run_dir / "rounds.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["round"]) for r in rows] == [0, 1, 2]
+    assert [int(r["num_replies"]) for r in rows] == [0, 3, 3]
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    assert float(rows[1]["accuracy"]) > float(rows[0]["accuracy"])  # a round of training helps
+    results = load_results(run_dir)
+    assert results["num_captures"] == 3 and results["rounds_run"] == 2
+    assert json.loads((run_dir / "config.json").read_text())["num-clients"] == 3
+    paths = list_captures(run_dir)
+    assert len(paths) == 3 and len(list_oracles(run_dir)) == 3
+    captures = [load_capture(p) for p in paths]
+    assert {c.client for c in captures} == {0, 1, 2} and {c.round for c in captures} == {2}
+    for capture in captures:
+        assert capture.kind == "gradient" and capture.batch_size == 2
+        oracle = find_oracle(run_dir, capture)
+        assert torch.equal(oracle.labels, capture.labels) and oracle.images.shape == (2, 1, 28, 28)
+    with pytest.raises(FileExistsError):
+        run_simulation_job({"run-dir": str(run_dir), "download": False})
