@@ -35,6 +35,15 @@ class FakeGrid:
         return list(NODE_IDS)
 
 
+class InProcessGrid(FakeGrid):
+    """A Grid that runs the ClientApp's handlers in this process: the server loop without Ray."""
+
+    def send_and_receive(self, messages: Any, timeout: float | None = None) -> list[Message]:
+        handlers = {"train": handle_train, "evaluate": handle_evaluate}
+        return [handlers[m.metadata.message_type](m, _context(NODE_IDS.index(m.metadata.dst_node_id),
+                                                               m.metadata.dst_node_id)) for m in messages]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def task_identity() -> None:
     """Messages built outside a running Flower app need a task identity (a run sets its own)."""
@@ -156,3 +165,21 @@ def test_ray_simulation_writes_captures_and_accuracy(cfg: dict[str, Any], tmp_pa
         assert torch.equal(oracle.labels, capture.labels) and oracle.images.shape == (2, 1, 28, 28)
     with pytest.raises(FileExistsError):
         run_simulation_job({"run-dir": str(run_dir), "download": False})
+
+
+def test_server_loop_early_stop_and_round_files(cfg: dict[str, Any], tmp_path: Path) -> None:
+    from fedsim.server_app import run_server
+
+    # lr 0: the model never changes, so accuracy cannot improve and patience 1 stops after round 1
+    run_cfg = resolve_config(cfg, {"optimizer": "sgd", "lr": 0.0, "num-server-rounds": 4, "early-stop-patience": 1,
+                                   "capture-rounds": "1", "capture-kind": "update", "run-dir": str(tmp_path)})
+    summary = run_server(InProcessGrid(), run_cfg)
+    assert summary["stopped_early"] and summary["rounds_run"] == 1
+    assert [row["round"] for row in summary["rounds"]] == [0, 1]
+    assert summary["rounds"][0]["accuracy"] == summary["rounds"][1]["accuracy"]
+    with open(tmp_path / "rounds.csv") as fh:
+        assert [int(r["round"]) for r in csv.DictReader(fh)] == [0, 1]
+    captures = [load_capture(p) for p in list_captures(tmp_path)]
+    assert len(captures) == 2 and all(c.kind == "update" for c in captures)
+    assert all(float(t.abs().max()) == 0.0 for c in captures for t in c.update.values())  # lr 0: no change
+    assert (tmp_path / "final_model.safetensors").is_file() and (tmp_path / "results.json").is_file()
