@@ -173,7 +173,7 @@ def _parse_oracle(record: ConfigRecord, server_round: int, client: int, node_id:
 
 def _match_dtypes(arrays: ArrayRecord, like: ArrayRecord) -> ArrayRecord:
     """Keep the global model in its own dtype (one-step replies may come in float64)."""
-    state, ref = arrays.to_torch_state_dict(), like.to_torch_state_dict()
-    if all(state[k].dtype == ref[k].dtype for k in state if k in ref):
+    if all(k not in like or arrays[k].dtype == like[k].dtype for k in arrays):  # cheap: no tensor copies
         return arrays
+    state, ref = arrays.to_torch_state_dict(), like.to_torch_state_dict()
     return ArrayRecord({k: v.to(ref[k].dtype) if k in ref else v for k, v in state.items()})
