@@ -20,14 +20,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fedsim.capture import CaptureError
 from fedsim.data import DataUnavailableError, VictimFileError
 from fedsim.models import ModelSpecError
 
 from .attacks import PRESETS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
+from .live import watch
 from .pipeline import RunDirError, run_attack
 
-USER_ERRORS = (ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
+USER_ERRORS = (CaptureError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
 
 DEMO: dict[str, Any] = {
     "victims": {"source": "builtin", "model": "mlp", "dataset": "mnist", "p": 0.25, "batch_size": 1, "count": 8},
@@ -54,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--victims", type=int, help="number of victim images")
         p.add_argument("--victim-file", help="a victim file (torch.save dict of normalized inputs and targets)")
         p.add_argument("--data-root", help="dataset folder (downloads go here when the network allows)")
+        p.add_argument("--captures", help="a federated run folder: attack its captured gradients")
         p.add_argument("--attacks", nargs="+", help=f"attack presets: {', '.join(PRESETS)}")
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
         p.add_argument("--labels", choices=["known", "recovered"], help="labels assumed known (paper) or recovered from the gradient")
@@ -67,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     common(run)
     demo = sub.add_parser("demo", help="the main job on the embedded default (MLP/MNIST, p=0.25)")
     common(demo)
+    watch = sub.add_parser("watch", help="attack a federated run's captures live, as they arrive")
+    watch.add_argument("run_dir", help="the federated run folder (its captures/ is read, never written)")
+    common(watch)
+    watch.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the run folder")
+    watch.add_argument("--timeout", type=float, help="give up after this many seconds")
     sub.add_parser("presets", help="list the attack presets")
     return parser
 
@@ -80,6 +88,8 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             victims[key] = value
     if args.victim_file:
         victims["source"], victims["file"] = "file", args.victim_file
+    if args.captures:
+        victims["source"], victims["captures"] = "captures", args.captures
     data = dict(data, victims=victims)
     if args.attacks:
         data["attacks"] = args.attacks
@@ -138,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             data = {}
         cfg: RunConfig = parse_config(_apply_args(data, args))
         out = Path(args.out or f"runs/{args.command}-{datetime.now():%Y%m%d-%H%M%S}")
+        if args.command == "watch":
+            if not Path(args.run_dir).is_dir():
+                raise ConfigError(f"{args.run_dir} is not a folder (expected a federated run folder)")
+            summaries = watch(args.run_dir, out, cfg, poll_s=args.poll, timeout_s=args.timeout,
+                              log=lambda m: console.print(m))
+            for result in summaries:
+                _print_summary(result)
+            return 0
         result = run_attack(cfg, out, progress=not args.quiet, log=lambda m: console.print(m))
     except USER_ERRORS as err:
         console.print(f"[bold red]error:[/bold red] {err}", highlight=False, soft_wrap=True)

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class VictimConfig:
-    source: str = "builtin"  # builtin: sampled from a client's partition; file: a victim file
+    source: str = "builtin"  # builtin: a client's partition; file: a victim file; captures: a federated run
     model: str = "mlp"
     dataset: str = "mnist"
     p: float = 0.25
@@ -28,6 +28,8 @@ class VictimConfig:
     batch_size: int = 1
     count: int = 8  # victim images (count / batch_size jobs per attack)
     file: str | None = None
+    captures: str | None = None  # a federated run folder (with captures/, and oracle/ when audited)
+    max_captures: int = 0  # 0: every gradient capture in the run
     data_root: str = "data"
     num_clients: int = 10
     client: int = 0
@@ -87,17 +89,19 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     for key, types in (("model", str), ("dataset", str), ("source", str), ("data_root", str)):
         if key in victims:
             _expect(victims[key], types, f"victims.{key}")
-    for key in ("batch_size", "count", "num_clients", "client", "seed", "model_seed"):
+    for key in ("batch_size", "count", "num_clients", "client", "seed", "model_seed", "max_captures"):
         if key in victims:
             _expect(victims[key], int, f"victims.{key}")
     if "p" in victims:
         _expect(victims["p"], (int, float), "victims.p")
     cfg = RunConfig(victims=VictimConfig(**victims), **{k: v for k, v in data.items() if k != "victims"})
     v = cfg.victims
-    if v.source not in ("builtin", "file"):
-        raise ConfigError(f"victims.source must be 'builtin' or 'file', got {v.source!r}")
+    if v.source not in ("builtin", "file", "captures"):
+        raise ConfigError(f"victims.source must be 'builtin', 'file' or 'captures', got {v.source!r}")
     if v.source == "file" and not v.file:
         raise ConfigError("victims.file is required when victims.source is 'file'")
+    if v.source == "captures" and not v.captures:
+        raise ConfigError("victims.captures (a federated run folder) is required when victims.source is 'captures'")
     if not 0 <= v.p < 1:
         raise ConfigError(f"victims.p must be in [0, 1), got {v.p}")
     if v.batch_size <= 0:

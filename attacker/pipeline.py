@@ -13,6 +13,7 @@ import torch
 from fedsim.data import load_dataset, load_victim_file, partition_iid, sample_victims
 
 from .attacks import AttackConfig
+from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
 from .inversion import JobResult
 from .jobs import Oracle, VictimJob, jobs_from_images, model_from_job
@@ -65,6 +66,29 @@ def apply_label_policy(jobs: list[VictimJob], policy: str) -> list[VictimJob]:
     return out
 
 
+def load_jobs(
+    cfg: RunConfig, log: Callable[[str], Any] = print, only: list[Path] | None = None
+) -> tuple[list[VictimJob], list[Oracle | None]]:
+    """The victim jobs of a config, with their oracles (None where there is no ground truth).
+    ``only`` restricts a captures run to the given capture folders (live attacks)."""
+    v = cfg.victims
+    if v.source == "captures":
+        paths = only if only is not None else capture_paths(v.captures)  # type: ignore[arg-type]
+        if v.max_captures:
+            paths = paths[: v.max_captures]
+        jobs, oracles, skipped = jobs_from_captures(paths, Path(v.captures), cfg.labels)  # type: ignore[arg-type]
+        for note in skipped:
+            log(f"skipped {note}")
+        if not jobs:
+            raise ConfigError(f"{v.captures} holds no one-step gradient captures to attack")
+        if any(o is None for o in oracles):
+            log("no oracle (the run was not audited): WIIG is skipped and only losses are reported")
+        return jobs, oracles
+    batches = build_victims(cfg)
+    jobs, images_oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed)
+    return apply_label_policy(jobs, cfg.labels), list(images_oracles)
+
+
 def prepare_run_dir(run_dir: Path) -> bool:
     """True when resuming an interrupted run. A finished run is never overwritten."""
     marker = run_dir / "run.json"
@@ -81,7 +105,14 @@ def prepare_run_dir(run_dir: Path) -> bool:
     return False
 
 
-def run_attack(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, log: Callable[[str], Any] = print) -> dict[str, Any]:
+def run_attack(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    log: Callable[[str], Any] = print,
+    only: list[Path] | None = None,
+) -> dict[str, Any]:
     """Run every configured attack on every victim and write the run folder. Returns the summary."""
     run_dir = Path(run_dir)
     resuming = prepare_run_dir(run_dir)
@@ -91,30 +122,34 @@ def run_attack(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, lo
     atomic_write(run_dir / "config.yaml", dump_config(cfg))
     atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
 
-    batches = build_victims(cfg)
-    jobs, oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed)
-    jobs = apply_label_policy(jobs, cfg.labels)
+    jobs, oracles = load_jobs(cfg, log, only)
     attack_cfgs = cfg.attack_configs()
     all_jobs: list[VictimJob] = []
     all_attacks: list[AttackConfig] = []
     all_oracles: list[Oracle | None] = []
+    scoring_oracles: list[Oracle | None] = []
     for attack in attack_cfgs:
         for job, oracle in zip(jobs, oracles):
+            if attack.masks == "oracle" and oracle is None:
+                continue  # WIIG needs the client's true masks: only audited runs have them
             all_jobs.append(job)
             all_attacks.append(attack)
             # Only WIIG receives the oracle (its masks); IG and DIA never do.
             all_oracles.append(oracle if attack.masks == "oracle" else None)
+            scoring_oracles.append(oracle)
+    if not all_jobs:
+        raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
+    spec = all_jobs[0].spec
     log(f"{len(all_jobs)} victim jobs: {len(jobs)} victim batches x {len(attack_cfgs)} attacks "
-        f"({', '.join(a.name for a in attack_cfgs)}), {cfg.victims.model}/{cfg.victims.dataset}, p={cfg.victims.p}, B={cfg.victims.batch_size}")
+        f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, B={all_jobs[0].batch_size}")
     results: list[JobResult] = run_jobs(
         all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
         checkpoint_every=cfg.checkpoint_every, progress=progress,
     )
-    scoring_oracles: list[Oracle | None] = [o for _ in attack_cfgs for o in oracles]
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None
     rows = score_results(all_jobs, scoring_oracles, results, lpips)
     summary = write_results(run_dir, all_jobs, scoring_oracles, results, rows,
-                            title=f"{cfg.victims.model} / {cfg.victims.dataset}, p = {cfg.victims.p}, B = {cfg.victims.batch_size}")
+                            title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}")
     elapsed = time.time() - started
     atomic_write(run_dir / "run.json", json.dumps({"status": "finished", "started": started, "seconds": elapsed}))
     return {"summary": summary, "rows": rows, "seconds": elapsed, "run_dir": str(run_dir)}
