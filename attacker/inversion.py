@@ -108,6 +108,9 @@ class InversionModule(L.LightningModule):
             gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
             self.images.append(nn.Parameter(torch.randn(self.B, *first.spec.input_shape, generator=gen)))
             slots = []
+            if oracles and oracles[j] is not None and attack.masks != "oracle":
+                # The threat model: IG and DIA see only what the server saw, never ground truth.
+                raise ValueError(f"job {job.job_id}: attack {attack.name} must not receive the oracle (only WIIG replays true masks)")
             if attack.masks == "learn" and self.p > 0:
                 if attack.mask_init == "analytical":
                     init = analytical_masks(self.model, job.gradient, self.mask_shapes, self.p, gen)

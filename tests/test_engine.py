@@ -65,11 +65,12 @@ def _jobs(mnist_like, p=0.25, n=3):
 def test_three_batched_jobs_equal_three_single_runs(mnist_like):
     jobs, oracles = _jobs(mnist_like)
     attacks = [make_attack("dia", max_iterations=40), make_attack("ig_eval", max_iterations=40), make_attack("wiig", max_iterations=40)]
-    module = InversionModule(jobs, attacks, oracles)
+    given = [None, None, oracles[2]]  # only WIIG receives the oracle
+    module = InversionModule(jobs, attacks, given)
     module.chunk = 40
     batched = _fit(module)
     for j in range(3):
-        single_module = InversionModule([jobs[j]], [attacks[j]], [oracles[j]])
+        single_module = InversionModule([jobs[j]], [attacks[j]], [given[j]])
         single_module.chunk = 40
         (single,) = _fit(single_module)
         assert single.best_iteration == batched[j].best_iteration
@@ -85,7 +86,7 @@ def test_mlp_attacks_reach_the_papers_ordering(mnist_like):
     names = ["ig_eval", "wiig", "dia"]
     all_jobs = [j for _ in names for j in jobs]
     attacks = [make_attack(n, max_iterations=400) for n in names for _ in jobs]
-    module = InversionModule(all_jobs, attacks, [o for _ in names for o in oracles])
+    module = InversionModule(all_jobs, attacks, [o if n == "wiig" else None for n in names for o in oracles])
     module.chunk = 400
     results = _fit(module)
     mean, std = (0.13066373765468597,), (0.30810782313346863,)
@@ -103,7 +104,7 @@ def test_mlp_attacks_reach_the_papers_ordering(mnist_like):
 def test_stop_rules(mnist_like):
     jobs, oracles = _jobs(mnist_like, n=2)
     attacks = [make_attack("wiig", max_iterations=30, loss_threshold=0.5), make_attack("dia", max_iterations=30, patience=1, lr=1e3)]
-    module = InversionModule(jobs, attacks, oracles)
+    module = InversionModule(jobs, attacks, [oracles[0], None])
     module.chunk = 30
     converged, stalled = _fit(module)
     assert converged.status == "converged" and converged.iterations < 30
@@ -115,7 +116,7 @@ def test_diverging_job_stops_and_others_finish(mnist_like):
     jobs, oracles = _jobs(mnist_like, n=2)
     bad = VictimJob("bad", jobs[0].spec, jobs[0].weights, [g * float("nan") for g in jobs[0].gradient], jobs[0].labels)
     attacks = [make_attack("dia", max_iterations=20)] * 2
-    module = InversionModule([bad, jobs[1]], attacks, [oracles[0], oracles[1]])
+    module = InversionModule([bad, jobs[1]], attacks, None)
     module.chunk = 20
     diverged, good = _fit(module)
     assert diverged.status == "diverged"
@@ -128,7 +129,7 @@ def test_interrupted_run_resumes_to_the_same_result(mnist_like, tmp_path):
     attacks = [make_attack("dia", max_iterations=60)] * 2
 
     def module():
-        m = InversionModule(jobs, attacks, oracles)
+        m = InversionModule(jobs, attacks, None)
         m.chunk = 20
         return m
 
@@ -148,14 +149,14 @@ def test_runner_groups_and_orders_results(mnist_like, tmp_path):
     other, other_oracles = jobs_from_images(ModelSpec("mlp", "mnist", 0.5), [(mnist_like[0][:1], mnist_like[1][:1])])
     all_jobs = jobs + other
     attacks = [make_attack("dia", max_iterations=5)] * 3
-    results = run_jobs(all_jobs, attacks, oracles + other_oracles, tmp_path, checkpoint_every=5, progress=False)
+    results = run_jobs(all_jobs, attacks, None, tmp_path, checkpoint_every=5, progress=False)
     assert [r.job_id for r in results] == [j.job_id for j in all_jobs]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["group000", "group001"]
 
 
 def test_optimized_values_follow_the_parameters_check(mnist_like):
     jobs, oracles = _jobs(mnist_like, n=1)
-    module = InversionModule(jobs * 2, [make_attack("ig_eval"), make_attack("dia")], oracles * 2)
+    module = InversionModule(jobs * 2, [make_attack("ig_eval"), make_attack("dia")], None)
     ig, dia = module.results()
     assert ig.optimized_values == 784 and dia.optimized_values == 2320
 
@@ -165,6 +166,15 @@ def test_oracle_needed_only_for_wiig(mnist_like):
     InversionModule(jobs, [make_attack("dia")], None)
     with pytest.raises(ValueError, match="oracle"):
         InversionModule(jobs, [make_attack("wiig")], None)
+
+
+@pytest.mark.parametrize("attack", ["ig_eval", "ig_train", "dia", "april", "dia_april"])
+def test_the_oracle_cannot_reach_ig_or_dia(mnist_like, attack):
+    jobs, oracles = _jobs(mnist_like, n=1)
+    with pytest.raises(ValueError, match="must not receive the oracle"):
+        InversionModule(jobs, [make_attack(attack)], oracles)
+    with pytest.raises(TypeError):
+        VictimJob("x", jobs[0].spec, jobs[0].weights, jobs[0].gradient, jobs[0].labels, images=oracles[0].images)
 
 
 def test_analytical_masks_recover_true_masks_for_mlp(mnist_like):
