@@ -1,4 +1,5 @@
-"""``fedsim`` command line: simulate a federation, sweep accuracy against p, list captures."""
+"""``fedsim`` command line: simulate a federation, sweep accuracy against p, list captures, and run the
+same app in Flower's deployment engine on loopback (``deploy-local``)."""
 
 from __future__ import annotations
 
@@ -176,6 +177,53 @@ def cmd_captures(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_deploy_local(args: argparse.Namespace) -> int:
+    from fedsim.deployment import DeploymentError, deploy_local
+    from fedsim.run_config import RunConfigError, resolve_config
+    from fedsim.simulation import load_results
+
+    cfg = _base_config(args)
+    cfg.update({"p": args.p, "capture-rounds": args.capture_rounds, "capture-kind": args.capture_kind,
+                "victim-batch-size": args.victim_batch_size, "audit": args.audit,
+                "label-policy": args.label_policy})
+    cfg["run-dir"] = args.run_dir or f"runs/deploy/{time.strftime('%Y%m%d-%H%M%S')}-{args.model}-{args.dataset}-p{args.p}"
+    try:
+        resolve_config(cfg)
+    except RunConfigError as exc:
+        console.print(f"[red]config error:[/red] {exc}")
+        return 2
+    if args.node_auth and not args.tls_dir:
+        console.print("[red]--node-auth needs --tls-dir[/red] (Flower allows SuperNode authentication only over TLS)")
+        return 2
+    node_keys = None
+    if args.node_auth:
+        node_keys = [Path(args.tls_dir) / f"supernode-{i + 1}" for i in range(args.clients)]
+        missing = [str(k) for k in node_keys if not k.is_file() or not k.with_name(k.name + ".pub").is_file()]
+        if missing:
+            console.print(f"[red]missing SuperNode keys[/red] {missing}; run deploy/make-certs.sh {args.tls_dir} {args.clients}")
+            return 2
+    if args.audit:
+        console.print("[yellow]warning:[/yellow] --audit makes the clients send their ground truth (the oracle) to the "
+                      "server; in a deployment the server is the attacker. Use it only for measurements.")
+    transport = "TLS" if args.tls_dir else "insecure"
+    console.print(f"[bold]fedsim deploy-local[/bold]: {args.model}/{args.dataset} p={args.p}, SuperLink + {args.clients} "
+                  f"SuperNodes on loopback ({transport}{', SuperNode auth' if node_keys else ''}), {args.rounds} rounds "
+                  f"-> {cfg['run-dir']}")
+    t0 = time.time()
+    try:
+        result = deploy_local(cfg, tls=args.tls_dir, node_keys=node_keys, timeout=args.timeout,
+                              echo=None if args.quiet else sys.stdout)
+    except (DeploymentError, FileExistsError) as exc:
+        console.print(f"[red]deployment failed:[/red] {exc}")
+        return 1
+    results = load_results(result.run_dir)
+    console.print(_rounds_table(results, f"deployment run {result.run_id}: {args.model}/{args.dataset} p={args.p}"))
+    console.print(f"run {result.run_id} {result.status}; final accuracy {100 * results['final_accuracy']:.2f}%, "
+                  f"{results['num_captures']} captures, {time.time() - t0:.1f} s; every process stopped. "
+                  f"Results in [bold]{result.run_dir}[/bold], logs in {result.work_dir / 'logs'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +244,27 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--p", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75])
     sweep.add_argument("--out", default=None, help="output folder (one run folder per p inside)")
     sweep.set_defaults(func=cmd_sweep)
+
+    dep = sub.add_parser("deploy-local", help="the same app in Flower's deployment engine: SuperLink + SuperNodes "
+                         "as processes on loopback, flwr run, then stop them all")
+    _add_federation_args(dep)
+    dep.set_defaults(clients=2, rounds=2)
+    dep.add_argument("--p", type=float, default=0.25, help="dropout rate")
+    dep.add_argument("--capture-rounds", default="", help="'all' or rounds like '1,3'")
+    dep.add_argument("--capture-kind", choices=["gradient", "update"], default="gradient")
+    dep.add_argument("--victim-batch-size", type=int, default=1, help="B of the one-step capture rounds")
+    dep.add_argument("--label-policy", choices=["known", "unknown"], default="known")
+    dep.add_argument("--audit", action="store_true",
+                     help="clients also send their ground truth (off by default: the server is the attacker)")
+    dep.add_argument("--run-dir", default=None)
+    dep.add_argument("--tls-dir", default=None,
+                     help="TLS between CLI/SuperNodes and SuperLink with ca.crt, server.pem, server.key from "
+                          "deploy/make-certs.sh DIR")
+    dep.add_argument("--node-auth", action="store_true",
+                     help="SuperNode authentication with DIR/supernode-<i> keys (needs --tls-dir)")
+    dep.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    dep.add_argument("--quiet", action="store_true", help="do not echo the run's log stream")
+    dep.set_defaults(func=cmd_deploy_local)
 
     caps = sub.add_parser("captures", help="list the captures of a run folder")
     caps.add_argument("run_dir")

@@ -1,0 +1,114 @@
+"""The same Flower app in the deployment engine: SuperLink + SuperNodes as real processes on loopback.
+
+Each test starts the processes, runs a federation with capture on, reads the captures back from
+the run folder, and checks that every process it started (and every process those started: the
+SuperExecs, ServerApp and ClientApp processes) is gone afterwards, by pid. About 50 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedsim import task
+from fedsim.capture import list_captures, list_oracles, load_capture
+from fedsim.data import DataUnavailableError
+from fedsim.deployment import COMPLETED, LocalDeployment, _alive, marked_pids
+from fedsim.run_config import resolve_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MAKE_CERTS = ROOT / "deploy" / "make-certs.sh"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_mnist() -> None:
+    try:
+        task.load_split(resolve_config({"download": False}), train=False)
+    except DataUnavailableError as exc:
+        pytest.skip(f"no offline MNIST sample: {exc}")
+
+
+def _config(run_dir: Path, **extra: Any) -> dict[str, Any]:
+    cfg = resolve_config({"num-clients": 2, "num-server-rounds": 2, "capture-rounds": "all", "download": False,
+                          "victim-batch-size": 2, "run-dir": str(run_dir), **extra})
+    cfg["data-root"] = str(Path(cfg["data-root"]).resolve())
+    return cfg
+
+
+def _processes_with_env(entry: str) -> list[int]:
+    """Live pids whose environment holds ``entry`` (e.g. ``FLWR_HOME=...``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if entry.encode() in (proc / "environ").read_bytes().split(b"\0") and _alive(int(proc.name)):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = _config(run_dir)
+    with LocalDeployment(2, tmp_path / "work") as dep:
+        direct = {name: proc.pid for name, proc in dep.procs.items()}
+        assert set(direct) == {"superlink", "supernode-0", "supernode-1"}
+        assert all(_alive(pid) for pid in direct.values())
+        result = dep.run(cfg, timeout=300)
+        assert dep.run_status(result.run_id)["status"] == COMPLETED  # read back from the SuperLink
+        # `flwr run --stream` exits 0 for a failed run too: the status from `flwr ls` tells
+        failed = dep.run(_config(tmp_path / "failed", model="no-such-model"), timeout=120)
+        assert failed.status == "finished:failed" and not failed.ok
+        assert "unknown model" in str(failed.details.get("status-details"))
+    # everything stopped, by pid: the direct children and what they started (SuperExecs, apps)
+    assert result.ok and result.status == COMPLETED, (result, dep.log_tail("flwr-run"))
+    assert set(direct.values()) <= dep.seen_pids and len(dep.seen_pids) > len(direct) + 1  # flwr run, SuperExecs
+    assert [pid for pid in dep.seen_pids if _alive(pid)] == []
+    assert marked_pids(dep.marker) == []
+    assert all(proc.returncode is not None for proc in dep.procs.values())
+
+    # the same run folder as the simulation: results, rounds, captures readable by load_capture
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["rounds_run"] == 2 and results["num_captures"] == 4
+    assert [row["num_replies"] for row in results["rounds"]] == [0, 2, 2]
+    captures = [load_capture(p) for p in list_captures(run_dir)]
+    assert len(captures) == 4
+    assert {(c.round, c.client) for c in captures} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert all(c.kind == "gradient" and c.batch_size == 2 and c.labels is not None for c in captures)
+    # audit mode is off in a deployment: the server never gets the clients' ground truth
+    assert json.loads((run_dir / "config.json").read_text())["audit"] is False
+    assert list_oracles(run_dir) == [] and not (run_dir / "oracle").exists()
+    # the CLI's connection lived in a private FLWR_HOME, with the real SuperLink address
+    conf = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
+    assert f'address = "127.0.0.1:{dep.superlink_port}"' in conf and "insecure = true" in conf
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make the TLS certificates")
+def test_cli_deploy_local_with_tls_and_supernode_auth(tmp_path: Path) -> None:
+    from fedsim.cli import main
+
+    certs = tmp_path / "certs"
+    subprocess.run(["bash", str(MAKE_CERTS), str(certs), "2"], check=True, capture_output=True, timeout=120)
+    run_dir = tmp_path / "run"
+    rc = main(["deploy-local", "--clients", "2", "--rounds", "1", "--capture-rounds", "1", "--victim-batch-size", "2",
+               "--no-download", "--data-root", str(Path("data").resolve()), "--run-dir", str(run_dir),
+               "--tls-dir", str(certs), "--node-auth", "--quiet", "--timeout", "300"])
+    logs = run_dir / "deployment" / "logs"
+    assert rc == 0, "\n".join(f.read_text()[-2000:] for f in sorted(logs.glob("*.log")))
+    superlink_log = (logs / "superlink.log").read_text()
+    assert "https://127.0.0.1:" in superlink_log  # TLS on the SuperLink's API
+    assert superlink_log.count("RegisterNode] Created node_id") == 2  # both SuperNode keys registered
+    conf = (run_dir / "deployment" / "flwr-home" / "config.toml").read_text()
+    assert "insecure" not in conf and str(certs / "ca.crt") in conf
+    captures = [load_capture(p) for p in list_captures(run_dir)]
+    assert {(c.round, c.client) for c in captures} == {(1, 0), (1, 1)}
+    assert list_oracles(run_dir) == []
+    # nothing started for this deployment is left running
+    assert _processes_with_env(f"FLWR_HOME={run_dir / 'deployment' / 'flwr-home'}") == []
