@@ -4,6 +4,8 @@
   attacker run CONFIG.yaml           an attack config (see configs/attacks/)
   attacker run --model vit --dataset cifar10 --p 0.25 --victim-file ../shared/data/dia-victims/CIFAR10_128.tdump
   attacker presets                   the attack presets and their defaults
+  attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 2000
+                                     a paper experiment: every cell, resumable, results.md beside the paper
 """
 
 from __future__ import annotations
@@ -76,7 +78,56 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the run folder")
     watch.add_argument("--timeout", type=float, help="give up after this many seconds")
     sub.add_parser("presets", help="list the attack presets")
+    exp = sub.add_parser("experiment", help="run a paper experiment (configs/experiments/*.yaml): cells, resume, report")
+    exp.add_argument("configs", nargs="+", metavar="CONFIG", help="experiment YAML file(s)")
+    exp.add_argument("--out", help="output folder (default: runs/experiments/<names>)")
+    exp.add_argument("--victims", type=int, help="victim images per cell, rounded up to a multiple of B (default: the config's, paper 128)")
+    exp.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
+    exp.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu or gpu")
+    exp.add_argument("--cells", nargs="+", default=[], metavar="FILTER",
+                     help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, or else a substring")
+    exp.add_argument("--include-optional", action="store_true", help="also run optional cells (ViT-B/16, MLP in fig5c)")
+    exp.add_argument("--victim-source", choices=["paper", "builtin"], default="paper",
+                     help="paper: ../shared/data/dia-victims/*.tdump; builtin: victims from a client's partition")
+    exp.add_argument("--data-root", default="data", help="dataset folder for builtin victims and federated training")
+    exp.add_argument("--no-accuracy", action="store_true", help="skip the federated training of Table 1's accuracy column")
+    exp.add_argument("--fl-rounds", type=int, default=3, help="federated rounds for the accuracy column (paper: to convergence)")
+    exp.add_argument("--fl-local-steps", type=int, default=0, help="> 0: local batches per round instead of one epoch")
+    exp.add_argument("--fl-clients", type=int, help="clients of the federation (default: the config's, paper 10)")
+    exp.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
+    exp.add_argument("--seed", type=int, default=0)
+    exp.add_argument("--report-only", action="store_true", help="rewrite results.md/csv and figures from what has run")
+    exp.add_argument("--quiet", action="store_true", help="no per-cell progress bars")
     return parser
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from .experiments import Settings, load_experiment, run_experiments, select_cells, write_report
+
+    if args.victims is not None and args.victims <= 0:
+        raise ConfigError(f"--victims must be positive, got {args.victims}")
+    if args.iterations is not None and args.iterations <= 0:
+        raise ConfigError(f"--iterations must be positive, got {args.iterations}")
+    if args.fl_rounds <= 0:
+        raise ConfigError(f"--fl-rounds must be positive, got {args.fl_rounds}")
+    experiments = [load_experiment(path) for path in args.configs]
+    names = [e.name for e in experiments]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"experiment names repeat: {names}")
+    settings = Settings(victims=args.victims, iterations=args.iterations, device=args.device,
+                        victim_source=args.victim_source, data_root=args.data_root, lpips=not args.no_lpips,
+                        cells=list(args.cells), include_optional=args.include_optional, accuracy=not args.no_accuracy,
+                        fl_rounds=args.fl_rounds, fl_local_steps=args.fl_local_steps, fl_clients=args.fl_clients,
+                        progress=not args.quiet, seed=args.seed)
+    out = Path(args.out or f"runs/experiments/{'+'.join(names)}")
+    if args.report_only:
+        path = write_report(experiments, select_cells(experiments, settings), out, settings)
+        console.print(f"wrote [bold]{path}[/bold]")
+        return 0
+    result = run_experiments(experiments, out, settings, log=lambda m: console.print(m, highlight=False))
+    console.print(f"{result['cells']} cells: {result['ran']} run, {result['skipped']} already finished (skipped), "
+                  f"{result['failed']} failed; {result['seconds']:.0f} s. Report: [bold]{result['report']}[/bold]")
+    return 1 if result["failed"] else 0
 
 
 def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        if args.command == "experiment":
+            return _experiment(args)
         if args.command == "demo":
             data: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEMO.items()}
         elif args.config:

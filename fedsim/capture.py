@@ -122,6 +122,9 @@ def _write_record(directory: Path, name: str, meta: dict[str, Any], tensors: dic
             with open(file, "rb") as fh:  # durable before the rename makes the record visible
                 os.fsync(fh.fileno())
         os.replace(tmp, final)
+    except OSError as exc:  # a full disk or lost permission: say so, leave nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CaptureError(f"could not write record {final}: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -256,6 +259,8 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             if set(found) != set(param_names):
                 raise CaptureError(f"capture {path}: gradient tensors do not match the parameter names")
             gradient = [found[n] for n in param_names]
+            if not all(torch.isfinite(g).all() for g in gradient):
+                raise CaptureError(f"capture {path}: the gradient holds NaN or infinite values")
         else:
             update = _prefixed(tensors, "update/")
             if set(update) != set(weights):

@@ -105,7 +105,7 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
         raise OSError("disk full")
 
     monkeypatch.setattr(capture_mod.os, "replace", boom)  # fails at the very last step
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CaptureError, match="could not write record .*disk full"):
         save_capture(tmp_path, make_capture())
     assert list(tmp_path.iterdir()) == []
     assert list_captures(tmp_path) == []

@@ -1,0 +1,168 @@
+"""The paper's experiment files and the experiment runner (`attacker experiment`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attacker import experiments as ex
+from attacker.cli import main
+from attacker.config import RunConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "experiments").glob("*.yaml"))
+EXPECTED = {"table1", "fig5a", "fig5b", "fig5c", "table2", "table3", "table4"}
+
+
+def test_every_experiment_file_is_there() -> None:
+    assert {p.stem for p in CONFIGS} == EXPECTED
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("source", ["paper", "builtin"])
+def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    # The paper victims need not be present: point the lookup at a stand-in file.
+    stand_in = tmp_path / "victims.tdump"
+    stand_in.write_bytes(b"")
+    monkeypatch.setattr(ex, "_resolve_victim_file", lambda dataset: stand_in if dataset in ex.PAPER_VICTIMS else None)
+    exp = ex.load_experiment(path)
+    assert exp.name == path.stem
+    settings = ex.Settings(victim_source=source, include_optional=True)
+    selected = ex.select_cells([exp], settings)
+    assert len(selected) == len(exp.cells)
+    for _, cell in selected:
+        cfg = ex.build_cell_config(exp, cell, settings)
+        assert isinstance(cfg, RunConfig)
+        assert (cfg.victims.model, cfg.victims.dataset, cfg.victims.p, cfg.victims.batch_size) == (
+            cell.model, cell.dataset, cell.p, cell.B)
+        assert cfg.victims.count % cell.B == 0
+        # every attack a cell runs has the paper's value (null where the paper has none)
+        for attack in cell.attacks:
+            assert attack in cell.paper, f"{cell.key}: no paper entry for {attack}"
+            assert set(cell.paper[attack]) == set(exp.metrics) or set(cell.paper[attack]) <= set(exp.metrics)
+        if source == "paper" and cell.dataset in ex.PAPER_VICTIMS:
+            assert cfg.victims.source == "file"
+
+
+def test_paper_values_spot_checks() -> None:
+    exps = {p.stem: ex.load_experiment(p) for p in CONFIGS}
+    cells = {c.key: c for e in exps.values() for c in e.cells}
+    assert cells["table1-mlp-mnist-p0.25"].paper == {"accuracy": 98.28, "ig_eval": {"ssim": 0.79}, "wiig": {"ssim": 1.0}}
+    assert cells["fig5b-vit-cifar10-p0.75-B16"].paper["dia"] == {"ssim": 0.05, "mmd": 0.43}
+    assert cells["fig5c-vit-mnist-lm0.0001-B16"].paper["dia"]["ssim"] == 0.82
+    assert cells["table2-resnet18-cifar10-p0.5"].paper["dia"]["ssim"] == 0.70
+    assert cells["table2-vit_b16-imagenet-p0.1"].optional
+    assert cells["table3-vit-cifar10-p0.25-normal_keep"].overrides == {"mask_init": "normal_keep"}
+    assert cells["table4-vit-cifar10-p0.1"].attacks == ["ig_eval", "april", "dia", "dia_april"]
+    assert exps["fig5a"].attack_overrides == {"lambda_mask": 0.0}  # sec. 5.1 precedes the regularizer
+
+
+def test_victims_round_up_to_batches_and_missing_paper_victims(monkeypatch: pytest.MonkeyPatch) -> None:
+    exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "fig5a"))
+    cell = next(c for c in exp.cells if c.B == 16)
+    cfg = ex.build_cell_config(exp, cell, ex.Settings(victims=3, victim_source="builtin"))
+    assert cfg.victims.count == 16
+    monkeypatch.setattr(ex, "_resolve_victim_file", lambda dataset: None)
+    with pytest.raises(ex.ExperimentError, match="--victim-source builtin"):
+        ex.build_cell_config(exp, cell, ex.Settings())
+
+
+def test_cell_filter() -> None:
+    exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "table1"))
+    pick = lambda *pats: [c.id for _, c in ex.select_cells([exp], ex.Settings(cells=list(pats)))]  # noqa: E731
+    assert pick("mlp-mnist-p0") == ["mlp-mnist-p0"]  # an exact id is exact
+    assert pick("table1-vit-cifar10*") == ["vit-cifar10-p0", "vit-cifar10-p0.25", "vit-cifar10-p0.5", "vit-cifar10-p0.75"]
+    assert len(pick("cifar10")) == 8  # a plain word that is no id: substring
+
+
+def test_bad_experiment_file_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ncells:\n- {model: mlp, dataset: mnist, p: 0.25, attacks: [nope]}\n")
+    assert main(["experiment", str(bad), "--out", str(tmp_path / "out"), "--victim-source", "builtin"]) == 2
+    assert "unknown attack" in capsys.readouterr().out
+
+
+TINY = """
+name: tiny
+title: Tiny
+source: made up
+victims: {count: 8}
+metrics: [ssim, mmd]
+accuracy: {paper_rounds: 300, run_config: {num-clients: 2}}
+figures:
+- {name: ssim, metric: ssim_paper, x: p, series: attack}
+cells:
+- {id: a, model: mlp, dataset: mnist, p: 0.25, B: 1, attacks: [ig_eval, dia], model_options: {width: 32},
+   paper: {accuracy: 98.28, ig_eval: {ssim: 0.79}, dia: {ssim: 1.0, mmd: 0.01}}}
+- {id: b, model: mlp, dataset: mnist, p: 0.5, B: 1, attacks: [dia], model_options: {width: 32},
+   paper: {accuracy: null, dia: {ssim: 0.99, mmd: null}}}
+"""
+
+
+def test_tiny_experiment_runs_reports_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    federations: list[dict] = []
+
+    def fake_federation(cfg: dict) -> Path:  # the Ray simulation is tested in test_simulation.py
+        federations.append(cfg)
+        run_dir = Path(cfg["run-dir"])
+        run_dir.mkdir(parents=True)
+        (run_dir / "results.json").write_text(json.dumps(
+            {"final_accuracy": 0.5, "best_accuracy": 0.6, "rounds_run": cfg["num-server-rounds"]}))
+        return run_dir
+
+    monkeypatch.setattr(ex, "_run_federation", fake_federation)
+    out = tmp_path / "out"
+    args = ["experiment", str(config), "--victims", "1", "--iterations", "5", "--victim-source", "builtin",
+            "--no-lpips", "--quiet", "--out", str(out), "--fl-rounds", "2"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "2 run, 0 already finished" in first
+    assert len(federations) == 2 and {f["p"] for f in federations} == {0.25, 0.5}
+    assert federations[0]["num-server-rounds"] == 2 and federations[0]["num-clients"] == 2
+    markers = {c: (out / "cells" / f"tiny-{c}" / "run.json") for c in "ab"}
+    for marker in markers.values():
+        assert json.loads(marker.read_text())["status"] == "finished"
+        assert (marker.parent / "grid.png").is_file() and (marker.parent / "loss_curves.png").is_file()
+    stamps = {c: (m.stat().st_mtime_ns, m.read_text()) for c, m in markers.items()}
+
+    report = (out / "results.md").read_text()
+    assert "SSIM paper-space (ours)" in report and "SSIM paper" in report and "SSIM [0,1] (ours)" in report
+    assert "| a | mlp | mnist | 0.25 | 1 | ig_eval | 1 |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| a |") and "| dia |" in line)
+    assert "| 1.00 |" in row and "| 0.01 |" in row and "50.00 / 60.00 (2 rounds)" in row and "98.28" in row
+    assert "figures/tiny_ssim.png" in report and (out / "figures" / "tiny_ssim.png").is_file()
+    assert "cells/tiny-a/grid.png" in report
+    csv_text = (out / "results.csv").read_text()
+    assert csv_text.splitlines()[0].startswith("experiment,cell,model") and csv_text.count("\n") == 4
+
+    # second invocation: everything finished, nothing reruns
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    assert "0 run, 2 already finished" in second
+    assert len(federations) == 2
+    for c, marker in markers.items():
+        assert (marker.stat().st_mtime_ns, marker.read_text()) == stamps[c]
+
+    # other settings into the same folder: refused, nothing overwritten
+    assert main([a if a != "5" else "6" for a in args]) == 2  # --iterations 6
+    assert "other settings" in capsys.readouterr().out
+    for c, marker in markers.items():
+        assert (marker.stat().st_mtime_ns, marker.read_text()) == stamps[c]
+
+
+def test_report_only_and_no_accuracy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    monkeypatch.setattr(ex, "_run_federation", lambda cfg: pytest.fail("--no-accuracy must not train"))
+    out = tmp_path / "out"
+    assert main(["experiment", str(config), "--report-only", "--out", str(out), "--victim-source", "builtin"]) == 0
+    report = (out / "results.md").read_text()
+    assert "| b | mlp | mnist | 0.5 | 1 | dia | – | – | 0.99 |" in report and "not run" in report
+    assert main(["experiment", str(config), "--cells", "b", "--victims", "1", "--iterations", "3", "--no-accuracy",
+                 "--victim-source", "builtin", "--no-lpips", "--quiet", "--out", str(out)]) == 0
+    assert (out / "cells" / "tiny-b" / "run.json").is_file() and not (out / "cells" / "tiny-a").exists()
