@@ -45,11 +45,21 @@ def oracle_bytes(result: task.OneStepResult) -> bytes:
     return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(result.masks))})
 
 
+def _maybe_fail(spec: str, server_round: int, partition_id: int) -> None:
+    """Fault injection: ``"2:0,3"`` makes partitions 0 and 3 raise in round 2 (reliability drills)."""
+    if not spec:
+        return
+    round_part, _, parts = spec.partition(":")
+    if int(round_part) == server_round and str(partition_id) in parts.split(","):
+        raise RuntimeError(f"injected failure in partition {partition_id}, round {server_round}")
+
+
 def handle_train(msg: Message, context: Context) -> Message:
     cfg = _config(msg, context)
     partition_id, num_partitions = _partition(context)
     server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
     one_step = bool(msg.content["config"].get("one-step", False)) if "config" in msg.content else False
+    _maybe_fail(str(cfg.get("inject-client-failure", "")), server_round, partition_id)
     model = task.make_model(cfg, msg.content["arrays"].to_torch_state_dict())
     train = task.load_split(cfg, train=True)
     indices = task.partition_indices(cfg, train, partition_id, num_partitions)

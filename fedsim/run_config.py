@@ -9,6 +9,7 @@ in each round's ConfigRecord, so clients never depend on how the run was launche
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,8 @@ DEFAULTS: dict[str, Any] = {
     "onestep-float64": True,  # send one-step weights in float64 so (global - local)/lr is exact
     "label-policy": "known",  # known | unknown
     "audit": False,  # clients also return the oracle (true images, labels, masks)
+    # fault injection (reliability tests and drills): "round:partition,partition" raises in those clients
+    "inject-client-failure": "",
     # evaluation and output
     "early-stop-patience": 0,  # 0: off
     "eval-batch-size": 1000,
@@ -103,6 +106,8 @@ def resolve_config(*layers: Mapping[str, Any] | None, strict: bool = True) -> di
         raise RunConfigError(f"p must be in [0, 1), got {cfg['p']}")
     if cfg["num-clients"] < 1 or cfg["num-server-rounds"] < 1:
         raise RunConfigError("num-clients and num-server-rounds must be >= 1")
+    if cfg["inject-client-failure"] and not re.fullmatch(r"\d+:\d+(,\d+)*", str(cfg["inject-client-failure"])):
+        raise RunConfigError(f"inject-client-failure must look like 'ROUND:PARTITION[,PARTITION...]', got {cfg['inject-client-failure']!r}")
     model_options(cfg)  # validate the JSON early
     capture_rounds(cfg)
     return cfg

@@ -106,6 +106,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         "rounds_run": rows[-1]["round"] if rows else 0,
         "stopped_early": strategy.stopped,
         "num_captures": len(strategy.capture_paths),
+        "failures": strategy.failures,
         "wall_s": round(time.time() - t0, 3),
     }
     tmp = run_dir / ".results.json.tmp"

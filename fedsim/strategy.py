@@ -9,6 +9,7 @@ gradient as (global - local) / lr; otherwise it stores the update (global - loca
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class CuriousFedAvg(FedAvg):
         self.capture_paths: list[Path] = []
         self.train_metrics: dict[int, dict[str, float]] = {}
         self.num_replies: dict[int, int] = {}
+        self.failures: list[dict[str, Any]] = []  # client errors and failed captures, per round
         self.stopped = False
         # aggregate_train does not receive what was sent: keep it from configure_train.
         self._sent: dict[int, tuple[ArrayRecord, dict[str, Any]]] = {}
@@ -94,17 +96,34 @@ class CuriousFedAvg(FedAvg):
         replies = list(replies)  # may be a one-shot iterable; we read it twice
         valid = [m for m in replies if not m.has_error()]
         self.num_replies[server_round] = len(valid)
+        for msg in replies:
+            if msg.has_error():  # a client that failed: recorded, and FedAvg goes on without it
+                self._record_failure(server_round, msg, f"client error: {msg.error.reason}")
         if self.is_capture_round(server_round) and server_round in self._sent:
             global_arrays, sent_config = self._sent[server_round]
             global_state = global_arrays.to_torch_state_dict()
             for msg in valid:
-                self._capture(server_round, msg, global_state, sent_config)
+                try:
+                    self._capture(server_round, msg, global_state, sent_config)
+                except (CaptureError, KeyError, ValueError, OSError) as err:
+                    # One bad reply or a failed write must not cost the other clients' captures.
+                    self._record_failure(server_round, msg, f"capture failed: {err}")
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is not None and server_round in self._sent:
             arrays = _match_dtypes(arrays, self._sent[server_round][0])
         if metrics is not None:
             self.train_metrics[server_round] = {k: float(v) for k, v in metrics.items() if not isinstance(v, list)}
         return arrays, metrics
+
+    def _record_failure(self, server_round: int, msg: Message, reason: str) -> None:
+        # Ray wraps the client's exception in a long traceback: keep its last line, without colours.
+        lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", reason).splitlines() if line.strip()]
+        text = lines[-1] if lines else reason
+        if lines and not text.startswith(lines[0].split(":")[0]):
+            text = f"{lines[0].split(':')[0]}: {text}"
+        entry = {"round": server_round, "node_id": int(msg.metadata.src_node_id), "reason": text[:500]}
+        self.failures.append(entry)
+        logger.warning("round %d, node %d: %s", server_round, entry["node_id"], entry["reason"])
 
     # ------------------------------------------------------------------------------------------
 
