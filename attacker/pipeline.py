@@ -119,10 +119,7 @@ def run_attack(
     if resuming:
         log(f"resuming the interrupted run in {run_dir}")
     started = time.time()
-    atomic_write(run_dir / "config.yaml", dump_config(cfg))
-    atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
-
-    jobs, oracles = load_jobs(cfg, log, only)
+    jobs, oracles = load_jobs(cfg, log, only)  # before writing anything: bad input leaves no folder
     attack_cfgs = cfg.attack_configs()
     all_jobs: list[VictimJob] = []
     all_attacks: list[AttackConfig] = []
@@ -139,6 +136,8 @@ def run_attack(
             scoring_oracles.append(oracle)
     if not all_jobs:
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
+    atomic_write(run_dir / "config.yaml", dump_config(cfg))
+    atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
     spec = all_jobs[0].spec
     log(f"{len(all_jobs)} victim jobs: {len(jobs)} victim batches x {len(attack_cfgs)} attacks "
         f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, B={all_jobs[0].batch_size}")

@@ -77,7 +77,7 @@ def test_bad_arguments_give_one_clear_line(args, message, tmp_path, capsys):
     code, text = _run(["run", "--out", str(out), "--quiet", *args], capsys)
     assert code == 2
     assert message in text and "Traceback" not in text
-    assert not out.exists() or not (out / "metrics.csv").exists()
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -138,3 +138,19 @@ def test_console_entry_point_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "attacker.cli", "run", "--p", "2", "--out", str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("case,message", [("corrupt", "not valid mnist files"), ("file", "is a file, not a folder")])
+def test_bad_data_roots(case, message, tmp_path, capsys):
+    root = tmp_path / "data"
+    if case == "corrupt":
+        raw = root / "MNIST" / "raw"
+        raw.mkdir(parents=True)
+        for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+            (raw / name).write_bytes(b"not an idx file")
+    else:
+        root.write_text("not a folder")
+    out = tmp_path / "o"
+    code, text = _run(["run", "--data-root", str(root), "--victims", "1", "--iterations", "2", "--quiet", "--out", str(out)], capsys)
+    assert code == 2 and message in text and "Traceback" not in text
+    assert not out.exists()
