@@ -112,3 +112,35 @@ def test_cli_deploy_local_with_tls_and_supernode_auth(tmp_path: Path) -> None:
     assert list_oracles(run_dir) == []
     # nothing started for this deployment is left running
     assert _processes_with_env(f"FLWR_HOME={run_dir / 'deployment' / 'flwr-home'}") == []
+
+
+def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(tmp_path: Path) -> None:
+    """SIGKILL one SuperNode once round 1 is captured: the run ends (completed with the other
+    node, or stopped), every process goes away, and the captures already written stay readable."""
+    import threading
+    import time
+
+    from fedsim.deployment import DeploymentError
+
+    run_dir = tmp_path / "run"
+    cfg = _config(run_dir, **{"num-server-rounds": 4, "local-steps": 2})
+    outcome: dict[str, Any] = {}
+    with LocalDeployment(2, tmp_path / "work") as dep:
+        def submit() -> None:
+            try:
+                outcome["result"] = dep.run(cfg, timeout=90)
+            except DeploymentError as err:
+                outcome["error"] = str(err)
+
+        worker = threading.Thread(target=submit)
+        worker.start()
+        deadline = time.time() + 240
+        while len([p for p in list_captures(run_dir) if p.name.startswith("r0001")]) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        dep.procs["supernode-1"].kill()
+        worker.join(timeout=200)
+        assert not worker.is_alive(), "the run neither finished nor stopped"
+    assert "result" in outcome or "error" in outcome
+    assert [pid for pid in dep.seen_pids if _alive(pid)] == [] and marked_pids(dep.marker) == []
+    captures = [load_capture(p) for p in list_captures(run_dir)]  # every capture written is intact
+    assert {(c.round, c.client) for c in captures if c.round == 1} == {(1, 0), (1, 1)}

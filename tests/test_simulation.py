@@ -183,3 +183,14 @@ def test_server_loop_early_stop_and_round_files(cfg: dict[str, Any], tmp_path: P
     assert len(captures) == 2 and all(c.kind == "update" for c in captures)
     assert all(float(t.abs().max()) == 0.0 for c in captures for t in c.update.values())  # lr 0: no change
     assert (tmp_path / "final_model.safetensors").is_file() and (tmp_path / "results.json").is_file()
+
+
+def test_pyproject_app_config_matches_the_run_config_defaults() -> None:
+    """`flwr run` rejects run-config keys that pyproject's [tool.flwr.app.config] lacks."""
+    import tomllib
+    from pathlib import Path
+
+    from fedsim.run_config import DEFAULTS
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert set(pyproject["tool"]["flwr"]["app"]["config"]) == set(DEFAULTS)
