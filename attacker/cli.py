@@ -29,9 +29,10 @@ from fedsim.models import ModelSpecError
 from .attacks import PRESETS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .live import watch
+from .runner import CheckpointError
 from .pipeline import RunDirError, run_attack
 
-USER_ERRORS = (CaptureError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
+USER_ERRORS = (CaptureError, CheckpointError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
 
 DEMO: dict[str, Any] = {
     "victims": {"source": "builtin", "model": "mlp", "dataset": "mnist", "p": 0.25, "batch_size": 1, "count": 8},

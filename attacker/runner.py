@@ -21,6 +21,23 @@ from .jobs import Oracle, VictimJob, model_from_job
 log = logging.getLogger(__name__)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint in the run folder that cannot be read safely."""
+
+
+def _check_checkpoint(path: Path) -> None:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, corrupt, or holding objects a safe load refuses
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read safely ({type(err).__name__}); remove it to restart that group"
+        ) from None
+    if not isinstance(state, dict) or "inversion" not in state:
+        raise CheckpointError(f"checkpoint {path} is not an attack checkpoint of this tool")
+
+
 def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
     """Jobs sharing model spec, weights object and batch size run as one batched optimization."""
     groups: dict[tuple, list[int]] = {}
@@ -87,10 +104,13 @@ def run_jobs(
             num_sanity_val_steps=0,
         )
         last = ckpt_dir / "last.ckpt"
+        if last.exists():
+            _check_checkpoint(last)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*does not have many workers.*")
             warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
-            trainer.fit(module, ckpt_path=str(last) if last.exists() else None)
+            # weights_only: a checkpoint is read as tensors and plain data, never as arbitrary pickles.
+            trainer.fit(module, ckpt_path=str(last) if last.exists() else None, weights_only=True)
         for i, result in zip(group, module.results()):
             results[i] = result
     return [r for r in results if r is not None]

@@ -226,3 +226,25 @@ def test_sigkilled_attack_resumes_to_the_uninterrupted_result(tmp_path):
         assert ra["iterations"] == rb["iterations"] and ra["best_iteration"] == rb["best_iteration"]
         assert ra["best_loss"] == pytest.approx(rb["best_loss"], rel=1e-4)
         assert ra["ssim_paper"] == pytest.approx(rb["ssim_paper"], abs=1e-4)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_a_damaged_checkpoint_is_refused_clearly(tmp_path, capsys, damage):
+    from attacker.cli import main
+
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints" / "group000" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"status": "running"}))
+    marker = tmp_path / "pwned"
+    if damage == "truncated":
+        ckpt.write_bytes(b"PK\x03\x04 truncated")
+    else:
+        class Evil:
+            def __reduce__(self):
+                return (Path.touch, (marker,))
+
+        torch.save({"inversion": Evil()}, ckpt)
+    code = main(["run", "--victims", "1", "--iterations", "2", "--quiet", "--no-lpips", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 2 and "cannot be read safely" in text and not marker.exists()
