@@ -76,19 +76,28 @@ def _rounds_table(results: dict[str, Any], title: str) -> Table:
     return table
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
+def _capture_config(args: argparse.Namespace, runs: str) -> dict[str, Any] | None:
+    """The run config of a capturing federation (simulate, deploy-local); None after a config error."""
     from fedsim.run_config import RunConfigError, resolve_config
-    from fedsim.simulation import load_results, run_simulation_job
 
     cfg = _base_config(args)
     cfg.update({"p": args.p, "capture-rounds": args.capture_rounds, "capture-kind": args.capture_kind,
                 "victim-batch-size": args.victim_batch_size, "audit": args.audit,
                 "label-policy": args.label_policy})
-    cfg["run-dir"] = args.run_dir or f"runs/fedsim/{time.strftime('%Y%m%d-%H%M%S')}-{args.model}-{args.dataset}-p{args.p}"
+    cfg["run-dir"] = args.run_dir or f"{runs}/{time.strftime('%Y%m%d-%H%M%S')}-{args.model}-{args.dataset}-p{args.p}"
     try:
         resolve_config(cfg)
     except RunConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
+        return None
+    return cfg
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from fedsim.simulation import load_results, run_simulation_job
+
+    cfg = _capture_config(args, "runs/fedsim")
+    if cfg is None:
         return 2
     console.print(f"[bold]fedsim simulate[/bold]: {args.model}/{args.dataset} p={args.p}, {args.clients} clients, "
                   f"{args.rounds} rounds -> {cfg['run-dir']}")
@@ -179,18 +188,10 @@ def cmd_captures(args: argparse.Namespace) -> int:
 
 def cmd_deploy_local(args: argparse.Namespace) -> int:
     from fedsim.deployment import DeploymentError, deploy_local
-    from fedsim.run_config import RunConfigError, resolve_config
     from fedsim.simulation import load_results
 
-    cfg = _base_config(args)
-    cfg.update({"p": args.p, "capture-rounds": args.capture_rounds, "capture-kind": args.capture_kind,
-                "victim-batch-size": args.victim_batch_size, "audit": args.audit,
-                "label-policy": args.label_policy})
-    cfg["run-dir"] = args.run_dir or f"runs/deploy/{time.strftime('%Y%m%d-%H%M%S')}-{args.model}-{args.dataset}-p{args.p}"
-    try:
-        resolve_config(cfg)
-    except RunConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
+    cfg = _capture_config(args, "runs/deploy")
+    if cfg is None:
         return 2
     if args.node_auth and not args.tls_dir:
         console.print("[red]--node-auth needs --tls-dir[/red] (Flower allows SuperNode authentication only over TLS)")

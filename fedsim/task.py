@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
 from fedsim.data import dataset_labels, load_dataset, partition_dirichlet, partition_iid, sample_victims
 from fedsim.models import ModelSpec, build_model, get_recorded_masks, set_dropout_mode
