@@ -1,0 +1,52 @@
+"""Data for the leakage audit: dataset specs and normalization, loading (with real offline
+fallbacks), client partitions, victim sampling and the paper's victim files."""
+
+from .datasets import (
+    DataUnavailableError,
+    ImageTensorDataset,
+    VictimFileError,
+    dataset_labels,
+    load_dataset,
+    load_victim_file,
+    synthetic_dataset,
+)
+from .normalization import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MNIST_MEAN,
+    MNIST_STD,
+    DatasetSpec,
+    box_bounds,
+    canonical_name,
+    denormalize,
+    get_spec,
+    normalize,
+)
+from .partition import partition_dirichlet, partition_iid, sample_victims
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "MNIST_MEAN",
+    "MNIST_STD",
+    "DataUnavailableError",
+    "DatasetSpec",
+    "ImageTensorDataset",
+    "VictimFileError",
+    "box_bounds",
+    "canonical_name",
+    "dataset_labels",
+    "denormalize",
+    "get_spec",
+    "load_dataset",
+    "load_victim_file",
+    "normalize",
+    "partition_dirichlet",
+    "partition_iid",
+    "sample_victims",
+    "synthetic_dataset",
+]

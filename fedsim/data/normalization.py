@@ -1,0 +1,137 @@
+"""Dataset specifications and the normalization the paper uses.
+
+All attacks work in *normalized* space (dummies start as N(0,1) there and are boxed to the
+image of [0,1]), so the exact constants matter: they are the ones from the paper's protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MNIST_MEAN: tuple[float, ...] = (0.13066373765468597,)
+MNIST_STD: tuple[float, ...] = (0.30810782313346863,)
+CIFAR10_MEAN: tuple[float, ...] = (0.4914672374725342, 0.4822617471218109, 0.4467701315879822)
+CIFAR10_STD: tuple[float, ...] = (0.24703224003314972, 0.24348513782024384, 0.26158785820007324)
+IMAGENET_MEAN: tuple[float, ...] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, ...] = (0.229, 0.224, 0.225)
+
+# Accept the spellings users and configs tend to write.
+_ALIASES = {
+    "mnist": "mnist",
+    "cifar10": "cifar10",
+    "cifar-10": "cifar10",
+    "cifar_10": "cifar10",
+    "imagenet": "imagenet",
+    "imagenet1k": "imagenet",
+    "imagenet-1k": "imagenet",
+}
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Shape, class count and normalization of one dataset (as fed to the models)."""
+
+    name: str
+    channels: int
+    image_size: int
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(
+                f"DatasetSpec {self.name!r}: mean/std must have {self.channels} entries, "
+                f"got {len(self.mean)}/{len(self.std)}"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"DatasetSpec {self.name!r}: std must be positive, got {self.std}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Image shape (C, H, W)."""
+        return (self.channels, self.image_size, self.image_size)
+
+    @property
+    def num_pixels(self) -> int:
+        """Number of input values per image (what IG optimizes for B=1)."""
+        return self.channels * self.image_size * self.image_size
+
+
+def canonical_name(name: str) -> str:
+    """Map a user-facing dataset name to 'mnist', 'cifar10' or 'imagenet'."""
+    key = name.strip().lower()
+    if key not in _ALIASES:
+        raise ValueError(f"unknown dataset {name!r}; expected one of: mnist, cifar10, imagenet")
+    return _ALIASES[key]
+
+
+def get_spec(name: str, channels: int | None = None) -> DatasetSpec:
+    """Return the spec of ``name``; MNIST may be requested with 3 channels.
+
+    3-channel MNIST (the paper feeds it so to LeNet and ResNet-18) repeats the single-channel
+    mean/std per channel, so normalizing a repeated image equals repeating a normalized image.
+    """
+    canon = canonical_name(name)
+    if canon == "mnist":
+        c = 1 if channels is None else channels
+        if c not in (1, 3):
+            raise ValueError(f"MNIST supports channels=1 or 3, got {channels}")
+        return DatasetSpec("mnist", c, 28, 10, MNIST_MEAN * c, MNIST_STD * c)
+    if channels not in (None, 3):
+        raise ValueError(f"{canon} has 3 channels, got channels={channels}")
+    if canon == "cifar10":
+        return DatasetSpec("cifar10", 3, 32, 10, CIFAR10_MEAN, CIFAR10_STD)
+    return DatasetSpec("imagenet", 3, 224, 1000, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def _stats(
+    spec: DatasetSpec, like: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean/std as (C,1,1) tensors, on the device and in the float dtype of ``like``."""
+    dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
+    device = like.device if like is not None else None
+    mean = torch.tensor(spec.mean, dtype=dtype, device=device).view(-1, 1, 1)
+    std = torch.tensor(spec.std, dtype=dtype, device=device).view(-1, 1, 1)
+    return mean, std
+
+
+def _check_channels(x: torch.Tensor, spec: DatasetSpec) -> None:
+    if x.dim() < 3 or x.shape[-3] != spec.channels:
+        raise ValueError(
+            f"expected a tensor shaped (..., {spec.channels}, H, W) for {spec.name}, "
+            f"got {tuple(x.shape)}"
+        )
+
+
+def normalize(x: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
+    """Map images in [0,1] (shape (..., C, H, W)) to normalized space."""
+    _check_channels(x, spec)
+    mean, std = _stats(spec, x)
+    return (x - mean) / std
+
+
+def denormalize(x: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
+    """Inverse of :func:`normalize`: normalized tensors back to [0,1] pixel space."""
+    _check_channels(x, spec)
+    mean, std = _stats(spec, x)
+    return x * std + mean
+
+
+def box_bounds(
+    spec: DatasetSpec,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (low, high), each shaped (C,1,1): the normalized images of pixel values 0 and 1.
+
+    The attacks clamp dummy images into this box after each step.
+    """
+    mean = torch.tensor(spec.mean, dtype=torch.float64).view(-1, 1, 1)
+    std = torch.tensor(spec.std, dtype=torch.float64).view(-1, 1, 1)
+    # Compute in float64 so the bounds are the exactly rounded values, then cast.
+    low = ((0.0 - mean) / std).to(device=device, dtype=dtype)
+    high = ((1.0 - mean) / std).to(device=device, dtype=dtype)
+    return low, high
