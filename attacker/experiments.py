@@ -10,7 +10,6 @@ checkpoint), optionally trains the federation for Table 1's accuracy column, and
 
 from __future__ import annotations
 
-import csv
 import fnmatch
 import io
 import json
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import yaml
 
 from .config import ConfigError, RunConfig, parse_config
-from .report import atomic_write
+from .report import atomic_write, csv_text
 
 PAPER_VICTIMS = {
     "mnist": "../shared/data/dia-victims/MNIST_128.tdump",
@@ -501,22 +500,11 @@ def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], pa
     return True
 
 
-def _csv_text(rows: list[dict[str, Any]]) -> str:
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=keys)
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
-
-
 def write_report(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: str | Path,
                  settings: Settings) -> Path:
     out = Path(out)
     rows = collect_rows(experiments, selected, out, settings)
-    atomic_write(out / "results.csv", _csv_text(rows))
+    atomic_write(out / "results.csv", csv_text(rows))
     iters = f"{settings.iterations:,}" if settings.iterations else "the configs' (paper: 20,000)"
     lines = [
         "# Reproduction of \"Dropout is NOT All You Need to Prevent Gradient Leakage\"\n",

@@ -48,7 +48,7 @@ def _figure_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-def _csv(rows: list[dict[str, Any]]) -> str:
+def csv_text(rows: list[dict[str, Any]]) -> str:
     keys: list[str] = []
     for row in rows:
         keys += [k for k in row if k not in keys]
@@ -158,12 +158,12 @@ def write_results(
 ) -> list[dict[str, Any]]:
     run_dir = Path(run_dir)
     summary = summarize_rows(rows)
-    atomic_write(run_dir / "metrics.csv", _csv(rows))
+    atomic_write(run_dir / "metrics.csv", csv_text(rows))
     atomic_write(run_dir / "metrics.json", json.dumps(rows, indent=2, default=float))
-    atomic_write(run_dir / "summary.csv", _csv(summary))
+    atomic_write(run_dir / "summary.csv", csv_text(summary))
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
     curves = [{"job": r.job_id, "attack": r.attack, "iteration": i, "loss": v} for r in results for i, v in enumerate(r.losses)]
-    atomic_write(run_dir / "loss_curves.csv", _csv(curves) if curves else "job,attack,iteration,loss\n")
+    atomic_write(run_dir / "loss_curves.csv", csv_text(curves) if curves else "job,attack,iteration,loss\n")
     atomic_write(run_dir / "loss_curves.png", loss_plot(results))
     atomic_write(run_dir / "grid.png", image_grid(jobs, oracles, results))
     tensors = {}
