@@ -29,6 +29,7 @@ from fedsim.models import ModelSpecError
 from .attacks import PRESETS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .live import watch
+from .story import run_story
 from .runner import CheckpointError
 from .pipeline import RunDirError, run_attack
 
@@ -71,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an attack config")
     run.add_argument("config", nargs="?", help="YAML attack config")
     common(run)
-    demo = sub.add_parser("demo", help="the main job on the embedded default (MLP/MNIST, p=0.25)")
+    demo = sub.add_parser("demo", help="the main job: federated training with dropout, capture, IG/WIIG/DIA, report")
     common(demo)
+    demo.add_argument("--offline-victims", action="store_true",
+                      help="skip the federation: attack victims from a client's partition directly")
     watch = sub.add_parser("watch", help="attack a federated run's captures live, as they arrive")
     watch.add_argument("run_dir", help="the federated run folder (its captures/ is read, never written)")
     common(watch)
@@ -194,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "experiment":
             return _experiment(args)
+        if args.command == "demo" and not args.offline_victims:
+            out = Path(args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
+            overrides = {"max_iterations": args.iterations} if args.iterations else {}
+            result = run_story(out, attack_overrides=overrides, lpips=not args.no_lpips, data_root=args.data_root or "data",
+                               device=args.device or "auto", progress=not args.quiet, log=lambda m: console.print(m),
+                               num_clients=args.victims)
+            _print_summary(result)
+            console.print(f"main job report: [bold]{out / 'report.md'}[/bold]")
+            return 0
         if args.command == "demo":
             data: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEMO.items()}
         elif args.config:
