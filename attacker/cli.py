@@ -91,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--cells", nargs="+", default=[], metavar="FILTER",
                      help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, or else a substring")
     exp.add_argument("--include-optional", action="store_true", help="also run optional cells (ViT-B/16, MLP in fig5c)")
-    exp.add_argument("--victim-source", choices=["paper", "builtin"], default="paper",
-                     help="paper: ../shared/data/dia-victims/*.tdump; builtin: victims from a client's partition")
+    exp.add_argument("--victim-source", choices=["paper", "builtin", "federated"], default="paper",
+                     help="paper: ../shared/data/dia-victims/*.tdump; builtin: victims from a client's partition; "
+                          "federated: the curious server's captures of a one-round Flower simulation")
     exp.add_argument("--data-root", default="data", help="dataset folder for builtin victims and federated training")
     exp.add_argument("--no-accuracy", action="store_true", help="skip the federated training of Table 1's accuracy column")
     exp.add_argument("--fl-rounds", type=int, default=3, help="federated rounds for the accuracy column (paper: to convergence)")

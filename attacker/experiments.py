@@ -16,7 +16,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -87,7 +87,10 @@ class Settings:
     victims: int | None = None  # victim images per cell (rounded up to a multiple of B); None: the file's count
     iterations: int | None = None
     device: str = "auto"
-    victim_source: str = "paper"  # paper: the paper's victim files; builtin: a client's partition of the dataset
+    # paper: the paper's victim files; builtin: a client's partition of the dataset; federated: the
+    # curious server's round-1 captures of a Flower simulation (one victim batch per client)
+    victim_source: str = "paper"
+    federation_dir: str = "federations"  # where federated victim sources go (under the output folder)
     data_root: str = "data"
     lpips: bool = True
     cells: list[str] = field(default_factory=list)  # patterns on "<experiment>-<cell>"
@@ -201,6 +204,9 @@ def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, An
     elif settings.victim_source == "builtin":
         victims["source"] = "builtin"
         victims.pop("file", None)
+    elif settings.victim_source == "federated":
+        victims["source"], victims["captures"] = "captures", str(Path(settings.federation_dir) / cell.key)
+        victims.pop("file", None)
     count = settings.victims if settings.victims is not None else int(victims.get("count", 128))
     victims["count"] = max(cell.B, math.ceil(count / cell.B) * cell.B)
     victims.update(model=cell.model, dataset=cell.dataset, p=cell.p, batch_size=cell.B,
@@ -278,6 +284,26 @@ def _run_federation(config: dict[str, Any]) -> Path:
     return run_simulation_job(config)
 
 
+def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], Any]) -> Path:
+    """The victims of a cell as the paper takes them, through the federated pipeline: one Flower
+    round at the model's random initialization in which each of count/B clients takes one training
+    step on B images of its own partition and the curious server captures the gradients."""
+    v = cfg.victims
+    fed_dir = Path(v.captures or "")
+    if (fed_dir / "results.json").is_file():
+        return fed_dir
+    if fed_dir.exists():
+        shutil.rmtree(fed_dir)  # an interrupted federation: its round is redone from the start
+    clients = v.count // v.batch_size
+    log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.batch_size} image(s), captured")
+    return _run_federation({
+        "model": v.model, "dataset": v.dataset, "p": v.p, "model-options": json.dumps(v.model_options),
+        "model-seed": v.model_seed, "num-clients": clients, "num-server-rounds": 1, "capture-rounds": "1",
+        "victim-batch-size": v.batch_size, "audit": True, "run-dir": str(fed_dir), "data-root": v.data_root,
+        "seed": v.seed,
+    })
+
+
 def accuracy_jobs(selected: list[tuple[Experiment, Cell]]) -> dict[tuple[str, str, float], dict[str, Any]]:
     jobs: dict[tuple[str, str, float], dict[str, Any]] = {}
     for exp, cell in selected:
@@ -331,6 +357,8 @@ def run_experiments(
     from .pipeline import run_attack
 
     out = Path(out)
+    if settings.victim_source == "federated":
+        settings = replace(settings, federation_dir=str(out / "federations"))
     selected = select_cells(experiments, settings)
     if not selected:
         raise ExperimentError("no cell matches --cells " + " ".join(settings.cells) if settings.cells else
@@ -361,6 +389,8 @@ def run_experiments(
         log(f"[bold cyan]{head}[/bold cyan]{resume}: {cell.label()}, {', '.join(cell.attacks)}{eta}")
         (run_dir / "failed.txt").unlink(missing_ok=True)
         try:
+            if settings.victim_source == "federated":
+                capture_federation(configs[cell.key], settings, log)
             run_attack(configs[cell.key], run_dir, progress=settings.progress, log=lambda m: log(f"  {m}"))
         except KeyboardInterrupt:
             write_report(experiments, selected, out, settings)

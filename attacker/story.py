@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ConfigError, parse_config
+from .config import parse_config
 from .pipeline import RunDirError, run_attack
 from .report import atomic_write
 

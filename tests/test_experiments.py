@@ -166,3 +166,18 @@ def test_report_only_and_no_accuracy(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert main(["experiment", str(config), "--cells", "b", "--victims", "1", "--iterations", "3", "--no-accuracy",
                  "--victim-source", "builtin", "--no-lpips", "--quiet", "--out", str(out)]) == 0
     assert (out / "cells" / "tiny-b" / "run.json").is_file() and not (out / "cells" / "tiny-a").exists()
+
+
+def test_federated_victims_come_from_the_curious_servers_captures(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--victim-source federated: a real one-round Flower simulation per cell, its round-1
+    captures attacked (one victim batch per client, one training step at the random init)."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "out"
+    args = ["experiment", str(config), "--cells", "a", "--victims", "2", "--iterations", "5", "--victim-source",
+            "federated", "--no-accuracy", "--no-lpips", "--quiet", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().out
+    fed = out / "federations" / "tiny-a"
+    assert json.loads((fed / "results.json").read_text())["num_captures"] == 2
+    rows = json.loads((out / "cells" / "tiny-a" / "metrics.json").read_text())
+    assert {r["job"] for r in rows} == {"r0001_c000", "r0001_c001"} and all(r["ssim_paper"] is not None for r in rows)
