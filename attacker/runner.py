@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import warnings
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from .attacks import AttackConfig
@@ -19,6 +20,22 @@ from .gradients import PerJobGradients
 from .jobs import Oracle, VictimJob, model_from_job
 
 log = logging.getLogger(__name__)
+
+
+class EpochCheckpoint(Callback):
+    """Writes ``last.ckpt`` atomically at the end of every chunk of iterations (a Lightning epoch).
+
+    Why not ModelCheckpoint: it skips a save when ``trainer.global_step`` has not moved since the
+    last one, and the per-job optimizers of our manual optimization never move it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        trainer.save_checkpoint(tmp)
+        os.replace(tmp, self.path)
 
 
 class CheckpointError(ValueError):
@@ -88,7 +105,8 @@ def run_jobs(
         module.chunk = checkpoint_every
         max_iterations = max(attacks[i].max_iterations for i in group)
         ckpt_dir = run_dir / "checkpoints" / f"group{g:03d}"
-        callbacks: list = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_epochs=1)]
+        last = ckpt_dir / "last.ckpt"
+        callbacks: list = [EpochCheckpoint(last)]
         if progress:
             callbacks.append(RichProgressBar())
         trainer = L.Trainer(
@@ -103,7 +121,6 @@ def run_jobs(
             inference_mode=False,
             num_sanity_val_steps=0,
         )
-        last = ckpt_dir / "last.ckpt"
         if last.exists():
             _check_checkpoint(last)
         with warnings.catch_warnings():

@@ -3,7 +3,6 @@
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from attacker.attacks import AttackConfigError, make_attack
 from attacker.gradients import PerJobGradients, autograd_terms
@@ -11,7 +10,7 @@ from attacker.inversion import InversionModule
 from attacker.jobs import VictimJob, jobs_from_images
 from attacker.labels import recover_labels
 from attacker.masks import analytical_masks
-from attacker.runner import run_jobs
+from attacker.runner import EpochCheckpoint, run_jobs
 from fedsim.models import ModelSpec, build_model, mask_shapes, set_dropout_mode, set_masks
 
 
@@ -134,10 +133,9 @@ def test_interrupted_run_resumes_to_the_same_result(mnist_like, tmp_path):
         return m
 
     full = _fit(module(), max_epochs=3)
-    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=1)
-    _fit(module(), max_epochs=1, callbacks=[ckpt])  # "killed" after 20 iterations
-    resumed = _fit(module(), max_epochs=3, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
-                   ckpt_path=str(tmp_path / "last.ckpt"))
+    last = tmp_path / "last.ckpt"
+    _fit(module(), max_epochs=1, callbacks=[EpochCheckpoint(last)])  # "killed" after 20 iterations
+    resumed = _fit(module(), max_epochs=3, callbacks=[EpochCheckpoint(last)], ckpt_path=str(last))
     for a, b in zip(full, resumed):
         assert a.iterations == b.iterations == 60
         assert a.losses == pytest.approx(b.losses, rel=1e-5)
