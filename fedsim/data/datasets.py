@@ -234,7 +234,7 @@ def _try_torchvision(
         return None
     try:
         return _download_with_timeout(
-            lambda: cls(str(root), train=train, transform=transform, download=True), timeout_s
+            lambda: cls(str(root), train=train, transform=transform, download=True), timeout_s  # fails fast offline: the offline fallback follows
         )
     except Exception as exc:  # network, checksum or extraction failure: fall back
         logger.info("%s: download failed (%s: %s)", canon, type(exc).__name__, exc)
