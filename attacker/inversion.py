@@ -26,7 +26,7 @@ from fedsim.data import box_bounds, get_spec
 from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from .attacks import AttackConfig
-from .gradients import MatchTerms, PerJobGradients, autograd_terms
+from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
 from .jobs import Oracle, VictimJob, model_from_job
 from .masks import analytical_masks, init_mask
 from .objectives import cosine_distance, euclidean_distance, mask_regularizer, param_cosine_distance, total_variation
@@ -85,19 +85,21 @@ class InversionModule(L.LightningModule):
         for param in self.model.parameters():
             param.requires_grad_(False)
         self.ghost: PerJobGradients | None = None
-        if PerJobGradients.check(self.model) is None:
+        try:
             self.ghost = PerJobGradients(self.model)
-        elif self.V > 1:
-            raise ValueError("this model (BatchNorm) couples the images of a batch: run its jobs one per module")
+        except UnsupportedModelError:
+            if self.V > 1:
+                raise ValueError("this model (BatchNorm) couples the images of a batch: run its jobs one per module") from None
+        # Everything below is rebuilt from the jobs on resume: not persistent, so checkpoints stay small.
         spec = get_spec(first.spec.dataset, first.spec.input_shape[0])
         low, high = box_bounds(spec)
-        self.register_buffer("box_low", low)
-        self.register_buffer("box_high", high)
+        self.register_buffer("box_low", low, persistent=False)
+        self.register_buffer("box_high", high, persistent=False)
         example = torch.zeros(self.B, *first.spec.input_shape)
         self.mask_shapes = mask_shapes(self.model, example)
-        self.register_buffer("labels", torch.cat([j.labels for j in jobs]))
+        self.register_buffer("labels", torch.cat([j.labels for j in jobs]), persistent=False)
         for i, param_targets in enumerate(zip(*[j.gradient for j in jobs])):
-            self.register_buffer(f"target_{i}", torch.stack(param_targets))
+            self.register_buffer(f"target_{i}", torch.stack(param_targets), persistent=False)
         self.num_params = len(jobs[0].gradient)
 
         self.images = nn.ParameterList()
@@ -134,7 +136,7 @@ class InversionModule(L.LightningModule):
                     self.const_masks.append(torch.full(s, 1.0 - self.p))
             self.mask_slots.append(slots)
         for i, m in enumerate(self.const_masks):
-            self.register_buffer(f"const_mask_{i}", m)
+            self.register_buffer(f"const_mask_{i}", m, persistent=False)
 
         self.job_optimizers = []
         self.job_schedulers = []
@@ -147,7 +149,13 @@ class InversionModule(L.LightningModule):
                     opt, mode="min", factor=attack.plateau_factor, patience=attack.plateau_patience
                 )
             )
-        self.tv_weights = torch.tensor([a.tv_for(first.spec.name) for a in attacks])
+        # Per-job settings as vectors, indexed by the active jobs each step.
+        self.register_buffer("tv_weights", torch.tensor([a.tv_for(first.spec.name) for a in attacks]), persistent=False)
+        self.register_buffer("euclidean", torch.tensor([a.distance == "euclidean" for a in attacks]), persistent=False)
+        self.register_buffer("lambda_pos", torch.tensor([a.lambda_pos for a in attacks]), persistent=False)
+        learns = [a.masks == "learn" and self.p > 0 for a in attacks]
+        self.register_buffer("lambda_mask", torch.tensor([a.lambda_mask if on else 0.0 for a, on in zip(attacks, learns)]),
+                             persistent=False)
         self.iteration = 0
         self.status = ["running"] * self.V
         self.best_loss = [float("inf")] * self.V
@@ -193,34 +201,33 @@ class InversionModule(L.LightningModule):
                     param.requires_grad_(False)
         key = tuple(active)
         if self._targets_for != key:  # jobs stopped: compact the targets once, not every step
-            index = torch.tensor(active, device=self.labels.device)
-            self.ghost.set_targets([getattr(self, f"target_{i}").index_select(0, index) for i in range(self.num_params)])
+            targets = [getattr(self, f"target_{i}") for i in range(self.num_params)]
+            if len(active) < self.V:
+                index = torch.tensor(active, device=self.labels.device)
+                targets = [t.index_select(0, index) for t in targets]
+            self.ghost.set_targets(targets)
             self._targets_for = key
         return self.ghost.compute(x, labels, len(active))
 
     def job_losses(self, active: list[int]) -> tuple[Tensor, Tensor]:
         x = torch.cat([self.images[j] for j in active])
+        layers: list[Tensor] = []
         if self.mask_shapes:
             layers = [torch.cat([self._mask(j, i) for j in active]) for i in range(len(self.mask_shapes))]
             set_masks(self.model, layers)
             set_dropout_mode(self.model, DropoutMode.LEARN)
         terms = self._terms(x, active)
-        attacks = [self.attacks[j] for j in active]
-        device = x.device
-        euclid = torch.tensor([a.distance == "euclidean" for a in attacks], device=device)
+        index = torch.tensor(active, device=x.device)
+        euclid, lam_pos, lam_mask = (v.index_select(0, index) for v in (self.euclidean, self.lambda_pos, self.lambda_mask))
         dist = cosine_distance(terms)
         if euclid.any():
             dist = torch.where(euclid, euclidean_distance(terms), dist)
-        lam_pos = torch.tensor([a.lambda_pos for a in attacks], device=device)
         if lam_pos.any():
             dist = dist + lam_pos * param_cosine_distance(terms, "pos_embedding")
-        loss = dist + self.tv_weights.to(device)[active] * total_variation(x, len(active))
-        reg = []
-        for j in active:
-            learned = [self._mask(j, i) for i, (kind, _) in enumerate(self.mask_slots[j]) if kind == "learn"]
-            lam = self.attacks[j].lambda_mask
-            reg.append(lam * mask_regularizer(learned, self.p) if learned and lam > 0 else x.new_zeros(()))
-        return loss + torch.stack(reg), x
+        loss = dist + self.tv_weights.index_select(0, index) * total_variation(x, len(active))
+        if layers and lam_mask.any():  # zero weight for every job whose masks are not learned
+            loss = loss + lam_mask * mask_regularizer(layers, len(active), self.p)
+        return loss, x
 
     def training_step(self, batch, batch_idx):
         active = self.active()

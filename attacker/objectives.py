@@ -39,6 +39,7 @@ def total_variation(x: Tensor, num_jobs: int) -> Tensor:
     return dx + dy
 
 
-def mask_regularizer(masks: list[Tensor], p: float) -> Tensor:
-    """Paper eq. 5 for one job: sum over layers of |p - (1 - mean(psi))|."""
-    return sum(((1 - m.mean()) - p).abs() for m in masks)  # type: ignore[return-value]
+def mask_regularizer(layers: list[Tensor], num_jobs: int, p: float) -> Tensor:
+    """Paper eq. 5 per job: sum over layers of |p - (1 - mean(psi))|, each mean over the job's own
+    entries. layers[i]: masks of layer i for all jobs, rows job by job."""
+    return sum(((1 - m.reshape(num_jobs, -1).mean(1)) - p).abs() for m in layers)  # type: ignore[return-value]

@@ -145,8 +145,7 @@ def run_attack(
         all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
         checkpoint_every=cfg.checkpoint_every, progress=progress,
     )
-    # LPIPS backbone: cached file, else a 5 s download try, else an offline "unavailable" message.
-    lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None
+    lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
     rows = score_results(all_jobs, scoring_oracles, results, lpips)
     summary = write_results(run_dir, all_jobs, scoring_oracles, results, rows,
                             title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}")
