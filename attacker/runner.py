@@ -65,7 +65,7 @@ def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
 
 
 # Jobs per batched optimization: beyond these, throughput stops growing while memory keeps growing
-# (measured on 2 cores: ViT/CIFAR-10 41 victim-it/s at V = 8, 38 at V = 32, 15 and 8.3 GB at V = 128).
+# (measured on 2 cores: ViT/CIFAR-10 41-43 victim-it/s at V = 8-32, 25 and 7.0 GB at V = 128).
 GROUP_CAPS = {"vit": 16, "vit_b16": 1, "resnet18": 16}
 
 
