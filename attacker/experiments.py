@@ -364,7 +364,7 @@ def run_experiments(
         raise ExperimentError("no cell matches --cells " + " ".join(settings.cells) if settings.cells else
                               "the experiments hold no cell to run (optional cells need --include-optional)")
     configs = {cell.key: build_cell_config(exp, cell, settings) for exp, cell in selected}  # validate all first
-    for exp, cell in selected:
+    for _, cell in selected:
         run_dir = out / "cells" / cell.key
         if run_dir.exists():
             diff = _config_diff(run_dir, configs[cell.key])
@@ -375,7 +375,7 @@ def run_experiments(
     out.mkdir(parents=True, exist_ok=True)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
     started = time.time()
-    for n, (exp, cell) in enumerate(selected, 1):
+    for n, (_, cell) in enumerate(selected, 1):
         run_dir = out / "cells" / cell.key
         head = f"[{n}/{len(selected)}] {cell.key}"
         if _run_state(run_dir) == "finished":

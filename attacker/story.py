@@ -59,7 +59,7 @@ def run_story(
         log(f"federated training: {cfg['model']}/{cfg['dataset']}, p = {cfg['p']}, {cfg['num-clients']} clients, "
             f"{cfg['num-server-rounds']} rounds; the curious server captures round {cfg['capture-rounds']}")
         run_simulation_job(cfg)
-    rounds = list(csv.DictReader(open(fed_dir / "rounds.csv")))
+    rounds = list(csv.DictReader((fed_dir / "rounds.csv").read_text().splitlines()))
     for row in rounds:
         log(f"  round {row['round']}: test accuracy {100 * float(row['accuracy']):.2f} %"
             + (" (captured)" if row.get("captured") == "1" else ""))
