@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
 
-from fedsim.models import ModelSpec, build_model, get_recorded_masks, set_dropout_mode
+from fedsim.client_step import one_step_plan, run_local_round
+from fedsim.models import ModelSpec, build_model
 
 
 @dataclass
@@ -50,19 +50,6 @@ def model_from_job(job: VictimJob) -> nn.Module:
     return model
 
 
-def simulate_client_step(model: nn.Module, images: Tensor, labels: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """The client's one training step: dropout active with masks recorded, mean cross-entropy,
-    the parameter gradient it would share. Returns (gradient, true masks)."""
-    set_dropout_mode(model, "record")
-    try:
-        loss = F.cross_entropy(model(images), labels)
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        masks = [m.clone() for m in get_recorded_masks(model)]
-    finally:
-        set_dropout_mode(model, "auto")
-    return [g.detach() for g in grads], masks
-
-
 def jobs_from_images(
     spec: ModelSpec,
     batches: list[tuple[Tensor, Tensor]],
@@ -77,9 +64,9 @@ def jobs_from_images(
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     jobs, oracles = [], []
     for i, (images, labels) in enumerate(batches):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 100_003 + i)
-            grads, masks = simulate_client_step(model, images, labels)
-        jobs.append(VictimJob(f"{prefix}{i:03d}", spec, weights, grads, labels.clone(), "known", {"index": i}))
-        oracles.append(Oracle(images.clone(), tuple(masks)))
+        # The client's round, as in the federation: one plain SGD step on the batch (fedsim's client step).
+        plan = one_step_plan(1.0, seed=seed * 100_003 + i, float64=False, keep_gradients=True)
+        (step,) = run_local_round(model, TensorDataset(images, labels), plan).steps
+        jobs.append(VictimJob(f"{prefix}{i:03d}", spec, weights, step.gradient, labels.clone(), "known", {"index": i}))
+        oracles.append(Oracle(images.clone(), tuple(step.masks)))
     return jobs, oracles

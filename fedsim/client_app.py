@@ -20,9 +20,10 @@ import torch  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
-from torch.utils.data import Subset  # noqa: E402
+from torch.utils.data import Dataset, Subset, TensorDataset  # noqa: E402
 
 from fedsim import task  # noqa: E402
+from fedsim.client_step import run_local_round  # noqa: E402
 from fedsim.run_config import resolve_config  # noqa: E402
 
 app = ClientApp()
@@ -38,11 +39,11 @@ def _partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def oracle_bytes(result: task.OneStepResult) -> bytes:
+def oracle_bytes(images: torch.Tensor, labels: torch.Tensor, masks: list[torch.Tensor]) -> bytes:
     """Serialize the ground truth of a one-step round (safetensors: no pickle on the wire either)."""
-    tensors = {"images": result.images.contiguous(), "labels": result.labels.to(torch.int64).contiguous()}
-    tensors.update({f"masks/{i}": m.contiguous() for i, m in enumerate(result.masks)})
-    return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(result.masks))})
+    tensors = {"images": images.contiguous(), "labels": labels.to(torch.int64).contiguous()}
+    tensors.update({f"masks/{i}": m.contiguous() for i, m in enumerate(masks)})
+    return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(masks))})
 
 
 def _maybe_fail(spec: str, server_round: int, partition_id: int) -> None:
@@ -66,23 +67,23 @@ def handle_train(msg: Message, context: Context) -> Message:
     seed = hash((int(cfg["seed"]), server_round, partition_id)) & 0x7FFFFFFF
     meta = ConfigRecord({"partition-id": partition_id, "server-round": server_round})
     content = RecordDict()
+    # One client step for both kinds of round; a one-step capture round is one setting of it.
+    plan = task.local_plan(cfg, one_step=one_step, seed=seed, record_masks=one_step and bool(cfg["audit"]))
     if one_step:
         images, labels = task.victim_batch(cfg, train, indices, server_round, partition_id)
-        lr = float(cfg["onestep-lr"])
-        result = task.one_step(model, images, labels, lr, bool(cfg["onestep-float64"]), seed=seed)
-        arrays = ArrayRecord(result.local_state)
-        metrics = MetricRecord({"num-examples": len(labels), "train-loss": result.loss})
-        meta.update({"mode": "one-step", "batch-size": len(labels), "lr": lr})
+        data: Dataset = TensorDataset(images, labels)
+    else:
+        data = Subset(train, indices.tolist())
+    result = run_local_round(model, data, plan)
+    arrays = ArrayRecord(result.weights)
+    metrics = MetricRecord({"num-examples": len(data), "train-loss": result.mean_loss})  # type: ignore[arg-type]
+    meta.update({"batch-size": plan.schedule.batch_size or len(data), "lr": plan.optimizer.lr,  # type: ignore[arg-type]
+                 "local-steps": len(result.steps), "mode": "one-step" if one_step else "train"})
+    if one_step:
         if cfg["label-policy"] == "known":
             meta["labels"] = [int(v) for v in labels]  # the audit's "labels known" assumption
         if cfg["audit"]:
-            content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(result)})
-    else:
-        stats = task.train_local(model, Subset(train, indices.tolist()), cfg, seed=seed)
-        arrays = ArrayRecord(model.state_dict())
-        metrics = MetricRecord({"num-examples": len(indices), "train-loss": stats["train-loss"]})
-        meta.update({"mode": "train", "batch-size": int(cfg["batch-size"]), "lr": float(cfg["lr"]),
-                     "local-steps": int(stats["local-steps"])})
+            content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(images, labels, result.steps[0].masks)})
     content["arrays"] = arrays
     content["metrics"] = metrics
     content["meta"] = meta

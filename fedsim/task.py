@@ -1,10 +1,10 @@
-"""Model, data and the small local loops a client and the server run (plain torch: the loops are tiny)."""
+"""Model, data, the local plan a client runs (from the run config) and central evaluation."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan
 from fedsim.data import dataset_labels, load_dataset, partition_dirichlet, partition_iid, sample_victims
-from fedsim.models import ModelSpec, build_model, get_recorded_masks, set_dropout_mode
+from fedsim.models import ModelSpec, build_model, set_dropout_mode
 from fedsim.models.registry import THREE_CHANNEL_MODELS
 from fedsim.run_config import model_options
 
@@ -60,40 +61,18 @@ def partition_indices(cfg: Mapping[str, Any], dataset: Dataset, partition_id: in
     return parts[partition_id]
 
 
-def _optimizer(cfg: Mapping[str, Any], model: nn.Module) -> torch.optim.Optimizer:
-    if cfg["optimizer"] == "adam":
-        return torch.optim.Adam(model.parameters(), lr=float(cfg["lr"]))
-    return torch.optim.SGD(model.parameters(), lr=float(cfg["lr"]), momentum=float(cfg["momentum"]))
-
-
-def train_local(
-    model: nn.Module, data: Dataset, cfg: Mapping[str, Any], seed: int = 0
-) -> dict[str, float]:
-    """Local training with the model's own dropout (sampling): ``local-epochs`` epochs, or
-    ``local-steps`` batches when that is positive. Returns the mean training loss and step count."""
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(data, batch_size=int(cfg["batch-size"]), shuffle=True, generator=generator)
-    optimizer = _optimizer(cfg, model)
-    set_dropout_mode(model, "auto")
-    model.train()
-    max_steps = int(cfg["local-steps"])
-    epochs = int(cfg["local-epochs"]) if max_steps <= 0 else 10**9
-    steps, total = 0, 0.0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # reproducible dropout masks for a given round and client
-        for _ in range(epochs):
-            for images, labels in loader:
-                optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                total += loss.detach().item()
-                steps += 1
-                if 0 < max_steps <= steps:
-                    break
-            if 0 < max_steps <= steps:
-                break
-    return {"train-loss": total / max(steps, 1), "local-steps": float(steps)}
+def local_plan(cfg: Mapping[str, Any], *, one_step: bool, seed: int, record_masks: bool = False) -> LocalPlan:
+    """The client's round as the run config describes it: a training round (``local-epochs`` epochs,
+    or ``local-steps`` batches, with the configured optimizer) or a one-step capture round."""
+    if one_step:
+        return replace(one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"])),
+                       defense=str(cfg.get("defense", "none")))
+    steps = int(cfg["local-steps"])
+    schedule = Schedule(epochs=int(cfg["local-epochs"]) if steps <= 0 else 10**9, batch_size=int(cfg["batch-size"]),
+                        max_steps=max(steps, 0), order="shuffled")
+    optimizer = OptimizerSpec(str(cfg["optimizer"]), float(cfg["lr"]),
+                              momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0)
+    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed, defense=str(cfg.get("defense", "none")))
 
 
 @torch.no_grad()
@@ -110,19 +89,6 @@ def evaluate(model: nn.Module, data: Dataset, batch_size: int = 1000) -> dict[st
     return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1)}
 
 
-@dataclass
-class OneStepResult:
-    """A client's one plain-SGD step on its victim batch, and the ground truth behind it."""
-
-    local_state: dict[str, torch.Tensor]
-    gradient: list[torch.Tensor]  # model.parameters() order
-    param_names: list[str]
-    images: torch.Tensor
-    labels: torch.Tensor
-    masks: list[torch.Tensor]
-    loss: float
-
-
 def victim_batch(
     cfg: Mapping[str, Any], dataset: Dataset, indices: np.ndarray, server_round: int, partition_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,28 +97,3 @@ def victim_batch(
     seed = int(np.random.SeedSequence([int(cfg["seed"]), server_round, partition_id]).generate_state(1)[0])
     ((images, labels),) = sample_victims(dataset, indices, k=b, batch_size=b, seed=seed)
     return images, labels
-
-
-def one_step(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, lr: float, float64: bool = True, seed: int = 0
-) -> OneStepResult:
-    """One plain SGD step (mean cross-entropy over the batch) with the dropout masks recorded.
-
-    With ``float64`` the new weights are computed and returned in float64, so that the server's
-    (global - local) / lr gives back the float32 gradient to within float64 rounding."""
-    set_dropout_mode(model, "record")
-    model.train()
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        loss = F.cross_entropy(model(images), labels)
-    grads = torch.autograd.grad(loss, params)
-    masks = [m.clone() for m in get_recorded_masks(model)]
-    set_dropout_mode(model, "auto")
-    dtype = torch.float64 if float64 else None
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    local = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state.items()}
-    for name, grad in zip(names, grads):
-        local[name] = local[name] - lr * grad.to(local[name].dtype)
-    return OneStepResult(local, [g.detach() for g in grads], names, images, labels, masks, loss.detach().item())

@@ -1,0 +1,254 @@
+"""One client step: a client's local training for one round, from a description of it.
+
+Every place that needs "what a client does in a round" calls :func:`run_local_round`: the ClientApp
+(training rounds and one-step capture rounds), the offline victim simulation (``attacker.jobs``),
+and the experiments through those. A round is described by a :class:`LocalPlan`: the schedule
+(epochs, batch size, step cap, batch order), the optimizer (SGD, SGD with momentum, Adam), the
+dropout behaviour per step (sample and record, replay given masks, learnable masks, off) and a
+defense applied to what leaves the client (``fedsim.defenses``). The result holds the new weights,
+the update (global - local) and the ground truth of every step (its image indices and masks).
+
+Why the optimizer updates are written here rather than taken from ``torch.optim``: an attacker
+replays the client's steps *differentiably* (through the updates, with learnable masks), and
+torch.optim steps parameters in place. The functions below use the same tensor operations as
+torch.optim's single-tensor (CPU default) code paths, out of place, so the client's result is
+bit-identical to torch.optim's (tested against it) and the same code serves the replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from fedsim.defenses import apply_defense
+from fedsim.models import DropoutMode, get_recorded_masks, set_dropout_mode, set_masks
+
+OPTIMIZERS = ("sgd", "adam")
+DROPOUT_BEHAVIOURS = ("sample", "replay", "learn", "off")
+BATCH_ORDERS = ("shuffled", "in-order")
+
+
+class LocalPlanError(ValueError):
+    """A local round that cannot be run as described."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which images each local step uses."""
+
+    epochs: int = 1
+    batch_size: int = 0  # 0: the whole local set as one batch
+    max_steps: int = 0  # > 0: stop after this many steps, across epochs
+    order: str = "shuffled"  # shuffled: a fresh permutation per epoch (seeded); in-order
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 0 or self.max_steps < 0:
+            raise LocalPlanError(f"schedule needs epochs >= 1, batch_size >= 0, max_steps >= 0; got {self}")
+        if self.order not in BATCH_ORDERS:
+            raise LocalPlanError(f"batch order must be one of {BATCH_ORDERS}, got {self.order!r}")
+
+    def batches(self, n: int, seed: int) -> list[list[int]]:
+        """The index batches of every step, in order. Drawn by torch's own DataLoader sampler with a
+        generator seeded by ``seed``, so the global RNG (the dropout masks) is left untouched."""
+        if n < 1:
+            raise LocalPlanError("the client has no local data")
+        loader = DataLoader(range(n), batch_size=self.batch_size or n, shuffle=self.order == "shuffled",
+                            generator=torch.Generator().manual_seed(seed))
+        out: list[list[int]] = []
+        for _ in range(self.epochs):
+            for batch in loader:
+                out.append([int(i) for i in batch])
+                if 0 < self.max_steps <= len(out):
+                    return out
+        return out
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = "sgd"  # sgd (momentum 0: plain SGD) | adam
+    lr: float = 1e-3
+    momentum: float = 0.0  # SGD only
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam only; torch's defaults
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise LocalPlanError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        if not self.lr >= 0:
+            raise LocalPlanError(f"lr must be >= 0, got {self.lr}")
+        if self.momentum < 0 or (self.momentum and self.name != "sgd"):
+            raise LocalPlanError(f"momentum must be >= 0 and only with sgd, got {self.momentum} for {self.name}")
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """A client's local round, as a description."""
+
+    schedule: Schedule = Schedule()
+    optimizer: OptimizerSpec = OptimizerSpec()
+    dropout: str = "sample"  # sample (and record) | replay | learn | off
+    masks: Sequence[Sequence[Tensor]] | None = None  # per step, per dropout layer: for replay and learn
+    defense: str = "none"  # a name in fedsim.defenses.DEFENSES, applied to the update that leaves
+    float64_weights: bool = False  # keep the weights in float64 between steps (exact (global - local)/lr)
+    record_masks: bool = True  # with dropout "sample": keep each step's masks (the audit's ground truth)
+    keep_gradients: bool = False  # record each step's parameter gradient
+    differentiable: bool = False  # keep the graph through every step (the attacker's replay)
+    seed: int = 0  # batch order and sampled dropout masks
+
+    def __post_init__(self) -> None:
+        if self.dropout not in DROPOUT_BEHAVIOURS:
+            raise LocalPlanError(f"dropout must be one of {DROPOUT_BEHAVIOURS}, got {self.dropout!r}")
+        if self.dropout in ("replay", "learn") and self.masks is None:
+            raise LocalPlanError(f"dropout {self.dropout!r} needs the masks of every step")
+
+
+@dataclass
+class StepRecord:
+    """The ground truth of one local step."""
+
+    indices: list[int]  # which of the client's images the step used, in batch order
+    masks: list[Tensor]  # the dropout masks of the step, in forward order
+    loss: float
+    gradient: list[Tensor] | None = None  # in model.parameters() order, when kept
+
+
+@dataclass
+class LocalResult:
+    weights: dict[str, Tensor]  # the new state dict (float64 parameters with float64_weights)
+    update: dict[str, Tensor]  # global - local for floating entries, after the defense
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(s.loss for s in self.steps) / max(len(self.steps), 1)
+
+
+# -- optimizer updates (torch.optim's single-tensor arithmetic, out of place) -------------------------
+
+
+def _sgd(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
+    def step(param: Tensor, grad: Tensor, state: dict, t: int) -> Tensor:
+        if spec.momentum:
+            buf = state.get("momentum_buffer")
+            buf = grad.clone() if buf is None else torch.add(buf * spec.momentum, grad, alpha=1.0)
+            state["momentum_buffer"] = buf
+            grad = buf
+        return torch.add(param, grad, alpha=-spec.lr)
+
+    return step
+
+
+def _adam(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
+    beta1, beta2 = spec.betas
+
+    def step(param: Tensor, grad: Tensor, state: dict, t: int) -> Tensor:
+        exp_avg = state.get("exp_avg", torch.zeros_like(param))
+        exp_avg_sq = state.get("exp_avg_sq", torch.zeros_like(param))
+        exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
+        exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
+        state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
+        step_size = spec.lr / (1 - beta1**t)
+        denom = exp_avg_sq.sqrt() / ((1 - beta2**t) ** 0.5) + spec.eps
+        return torch.addcdiv(param, exp_avg, denom, value=-step_size)
+
+    return step
+
+
+UPDATES: dict[str, Callable[[OptimizerSpec], Callable[[Tensor, Tensor, dict, int], Tensor]]] = {
+    "sgd": _sgd,
+    "adam": _adam,
+}
+
+
+# -- the round -------------------------------------------------------------------------------------
+
+
+def _gather(data: Dataset, indices: list[int]) -> tuple[Tensor, Tensor]:
+    if isinstance(data, TensorDataset):  # fast path: no per-item Python loop
+        index = torch.tensor(indices)
+        images, labels = data.tensors[0][index], data.tensors[1][index]
+        return images, labels.long()
+    items = [data[i] for i in indices]
+    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.tensor([int(y) for _, y in items])
+
+
+def run_local_round(
+    model: nn.Module,
+    data: Dataset,
+    plan: LocalPlan,
+    *,
+    start: Mapping[str, Tensor] | None = None,
+) -> LocalResult:
+    """Run the client's local round described by ``plan`` on ``data`` (a Dataset of (image, label)).
+
+    The model's parameters are the global weights unless ``start`` gives others (the attacker's
+    replay passes tensors in its graph there). The model object itself is not changed, except
+    for buffers such as BatchNorm's running statistics, which train as in ``model.train()``.
+    """
+    schedule = plan.schedule
+    batches = schedule.batches(len(data), plan.seed)  # type: ignore[arg-type]
+    if plan.masks is not None and len(plan.masks) < len(batches):
+        raise LocalPlanError(f"{len(plan.masks)} mask sets for {len(batches)} steps")
+    update_rule = UPDATES[plan.optimizer.name](plan.optimizer)
+    names = [n for n, _ in model.named_parameters()]
+    global_params = dict(model.named_parameters()) if start is None else dict(start)
+    dtype = torch.float64 if plan.float64_weights else None
+    weights = {n: (global_params[n].detach().to(dtype) if dtype else global_params[n].detach())
+               if not plan.differentiable else global_params[n] for n in names}
+    states: dict[str, dict] = {n: {} for n in names}
+    steps: list[StepRecord] = []
+    was_training = model.training
+    model.train()
+    sample = DropoutMode.RECORD if plan.record_masks else DropoutMode.SAMPLE  # the same random draws
+    mode = {"sample": sample, "replay": DropoutMode.REPLAY, "learn": DropoutMode.LEARN,
+            "off": DropoutMode.OFF}[plan.dropout]
+    set_dropout_mode(model, mode)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(plan.seed)  # reproducible dropout masks for a given round and client
+            for t, indices in enumerate(batches, start=1):
+                images, labels = _gather(data, indices)
+                params = {}
+                for n in names:
+                    p = weights[n]
+                    if dtype is not None:
+                        p = p.to(global_params[n].dtype)
+                    if not plan.differentiable:
+                        p = p.detach().requires_grad_(True)
+                    params[n] = p
+                if plan.masks is not None:
+                    set_masks(model, list(plan.masks[t - 1]))
+                loss = F.cross_entropy(functional_call(model, params, (images,)), labels)
+                grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=plan.differentiable)
+                if plan.dropout == "sample" and plan.record_masks:
+                    masks = [m.clone() for m in get_recorded_masks(model)]
+                else:
+                    masks = [m.detach().clone() for m in plan.masks[t - 1]] if plan.masks is not None else []
+                with torch.set_grad_enabled(plan.differentiable):
+                    for n, g in zip(names, grads):
+                        weights[n] = update_rule(weights[n], g.to(weights[n].dtype), states[n], t)
+                steps.append(StepRecord(indices, masks, float(loss.detach()),
+                                        [g.detach() for g in grads] if plan.keep_gradients else None))
+    finally:
+        set_dropout_mode(model, DropoutMode.AUTO)
+        model.train(was_training)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    local = {**state, **{n: (w if plan.differentiable else w.detach()) for n, w in weights.items()}}
+    update = {k: (global_params[k].to(v.dtype) if k in global_params else state[k].to(v.dtype)) - v
+              for k, v in local.items() if v.is_floating_point() and k in global_params}
+    defended = apply_defense(plan.defense, update)
+    if defended is not update:  # the client sends global - defended update
+        local.update({k: global_params[k].to(v.dtype) - v for k, v in defended.items()})
+    return LocalResult(local, defended, steps)
+
+
+def one_step_plan(lr: float, *, seed: int = 0, float64: bool = True, keep_gradients: bool = False) -> LocalPlan:
+    """The paper's capture round: one plain SGD step on the whole victim batch, in order."""
+    return LocalPlan(Schedule(epochs=1, batch_size=0, max_steps=1, order="in-order"), OptimizerSpec("sgd", lr),
+                     float64_weights=float64, keep_gradients=keep_gradients, seed=seed)

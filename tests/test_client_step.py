@@ -1,0 +1,152 @@
+"""The one client step: today's rounds are settings of it, bit for bit, and its optimizer updates
+are torch.optim's. The references below are the project's previous, separate implementations
+(the one-step round and the local training loop), kept here as the yardstick."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedsim.client_step import (
+    LocalPlan,
+    LocalPlanError,
+    OptimizerSpec,
+    Schedule,
+    one_step_plan,
+    run_local_round,
+)
+from fedsim.models import ModelSpec, build_model, get_recorded_masks, set_dropout_mode
+
+
+def _reference_one_step(model, images, labels, lr, seed):
+    """The earlier ``task.one_step``: record masks, autograd, float64 local weights."""
+    set_dropout_mode(model, "record")
+    model.train()
+    names = [n for n, _ in model.named_parameters()]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss = F.cross_entropy(model(images), labels)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    masks = [m.clone() for m in get_recorded_masks(model)]
+    set_dropout_mode(model, "auto")
+    local = {k: v.detach().clone().double() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    for name, grad in zip(names, grads):
+        local[name] = local[name] - lr * grad.double()
+    return local, grads, masks
+
+
+def _reference_train(model, data, optimizer, batch_size, epochs, seed):
+    """The earlier ``task.train_local``: DataLoader, torch.optim, the model's own dropout."""
+    loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    set_dropout_mode(model, "auto")
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(epochs):
+            for images, labels in loader:
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(model(images), labels).backward()
+                optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _data(n=12, seed=3, channels=1):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, channels, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+@pytest.mark.parametrize("name,p", [("mlp", 0.25), ("lenet", 0.5)])
+def test_one_step_round_is_bit_identical_to_the_previous_one(name, p):
+    spec = ModelSpec(name, "mnist", p, 0)
+    data = _data(4, channels=spec.input_shape[0])
+    images, labels = data.tensors
+    ref_local, ref_grads, ref_masks = _reference_one_step(build_model(spec), images, labels, 1e-3, seed=11)
+    model = build_model(spec)
+    result = run_local_round(model, data, one_step_plan(1e-3, seed=11, keep_gradients=True))
+    assert len(result.steps) == 1 and result.steps[0].indices == [0, 1, 2, 3]
+    # float64 weights agree to the last bit or one (torch.optim's add(alpha=-lr) fuses the multiply-add);
+    # the float32 gradient the server recovers from them is bit-identical
+    for k, v in ref_local.items():
+        torch.testing.assert_close(result.weights[k], v, rtol=1e-15, atol=1e-18)
+    global_state = build_model(spec).state_dict()
+    for (n, _), g in zip(model.named_parameters(), ref_grads):
+        captured = ((global_state[n].double() - result.weights[n]) / 1e-3).float()  # what the server computes
+        assert torch.equal(captured, ((global_state[n].double() - ref_local[n]) / 1e-3).float())
+        assert torch.equal(result.steps[0].gradient[[m for m, _ in model.named_parameters()].index(n)], g)
+    assert all(torch.equal(a, b) for a, b in zip(result.steps[0].masks, ref_masks))
+    # the model object still holds the global weights
+    assert all(torch.equal(v, global_state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("opt", [OptimizerSpec("adam", 1e-3), OptimizerSpec("sgd", 0.05),
+                                 OptimizerSpec("sgd", 0.05, momentum=0.9)])
+def test_training_round_equals_torch_optim_bit_for_bit(opt):
+    spec = ModelSpec("mlp", "mnist", 0.25, 0)
+    data = _data(12)
+    reference_model = build_model(spec)
+    torch_opt = (torch.optim.Adam(reference_model.parameters(), lr=opt.lr) if opt.name == "adam"
+                 else torch.optim.SGD(reference_model.parameters(), lr=opt.lr, momentum=opt.momentum))
+    expected = _reference_train(reference_model, data, torch_opt, batch_size=4, epochs=2, seed=5)
+    plan = LocalPlan(Schedule(epochs=2, batch_size=4), opt, seed=5)
+    result = run_local_round(build_model(spec), data, plan)
+    assert len(result.steps) == 6
+    for k, v in expected.items():
+        assert torch.equal(result.weights[k], v), k
+    start = build_model(spec).state_dict()
+    for k, delta in result.update.items():
+        assert torch.equal(delta, start[k] - result.weights[k])
+
+
+def test_schedule_orders_and_step_cap():
+    assert Schedule(epochs=2, batch_size=2, order="in-order").batches(4, 0) == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    shuffled = Schedule(epochs=2, batch_size=3, max_steps=3).batches(6, seed=1)
+    assert len(shuffled) == 3 and sorted(shuffled[0] + shuffled[1]) == list(range(6))
+    assert shuffled == Schedule(epochs=2, batch_size=3, max_steps=3).batches(6, seed=1)
+    assert shuffled != Schedule(epochs=2, batch_size=3, max_steps=3).batches(6, seed=2)
+
+
+def test_replaying_the_recorded_masks_reproduces_the_round():
+    spec = ModelSpec("mlp", "mnist", 0.5, 0)
+    data = _data(8)
+    plan = LocalPlan(Schedule(epochs=1, batch_size=2), OptimizerSpec("adam", 1e-3), seed=2)
+    sampled = run_local_round(build_model(spec), data, plan)
+    masks = [s.masks for s in sampled.steps]
+    replay = LocalPlan(Schedule(epochs=1, batch_size=2), OptimizerSpec("adam", 1e-3), dropout="replay", masks=masks,
+                       seed=2)
+    replayed = run_local_round(build_model(spec), data, replay)
+    assert all(torch.equal(replayed.weights[k], v) for k, v in sampled.weights.items())
+    off = run_local_round(build_model(spec), data, LocalPlan(plan.schedule, plan.optimizer, dropout="off", seed=2))
+    assert any(not torch.equal(off.update[k], v) for k, v in sampled.update.items())  # dropout did act
+
+
+def test_differentiable_round_passes_gradients_to_images_and_learned_masks():
+    spec = ModelSpec("mlp", "mnist", 0.25, 0)
+    data = _data(4)
+    sampled = run_local_round(build_model(spec), data, LocalPlan(Schedule(batch_size=2, order="in-order"),
+                                                                 OptimizerSpec("sgd", 0.1), seed=4))
+    images = data.tensors[0].clone().requires_grad_(True)
+    masks = [[m.clone().float().requires_grad_(True) for m in s.masks] for s in sampled.steps]
+    plan = LocalPlan(Schedule(batch_size=2, order="in-order"), OptimizerSpec("sgd", 0.1), dropout="learn",
+                     masks=masks, differentiable=True, seed=4)
+    replay = run_local_round(build_model(spec), TensorDataset(images, data.tensors[1]), plan)
+    for k, v in sampled.update.items():  # binary learned masks = replay: the same update
+        torch.testing.assert_close(replay.update[k], v, rtol=0, atol=1e-7)
+    loss = sum((u**2).sum() for u in replay.update.values())
+    loss.backward()
+    assert images.grad is not None and images.grad.abs().sum() > 0
+    assert all(m.grad is not None for step in masks for m in step)
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(LocalPlanError):
+        OptimizerSpec("rmsprop")
+    with pytest.raises(LocalPlanError):
+        OptimizerSpec("adam", momentum=0.9)
+    with pytest.raises(LocalPlanError):
+        Schedule(order="random")
+    with pytest.raises(LocalPlanError):
+        LocalPlan(dropout="replay")
+    with pytest.raises(ValueError, match="unknown defense"):
+        run_local_round(build_model(ModelSpec("mlp", "mnist", 0.0, 0)), _data(2), LocalPlan(defense="noise"))
