@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from .masks import MASK_INITS
-
-MASK_MODES = ("off", "random", "oracle", "learn")
+from .masks import MASK_INITS, MASK_MODES
+from .objectives import DISTANCES, TERMS, term_weight
 
 
 class AttackConfigError(ValueError):
@@ -18,7 +17,8 @@ class AttackConfigError(ValueError):
 class AttackConfig:
     name: str = "dia"
     masks: str = "learn"  # off: IG (eval); random: IG (train); oracle: WIIG; learn: DIA
-    distance: str = "cosine"  # cosine (IG) or euclidean (APRIL)
+    distance: str = "cosine"  # a name in objectives.DISTANCES: cosine (IG) or euclidean (APRIL)
+    # Loss-term weights: one field per term in objectives.TERMS (0 or None: the term is off / its default)
     lambda_pos: float = 0.0  # APRIL: weight of the position-embedding cosine term
     tv_weight: float | None = None  # None: 1e-5 for MLP and ViT, 1e-2 for LeNet and ResNet
     lr: float = 0.1
@@ -34,9 +34,9 @@ class AttackConfig:
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:
-            raise AttackConfigError(f"attack {self.name}: masks must be one of {MASK_MODES}, got {self.masks!r}")
-        if self.distance not in ("cosine", "euclidean"):
-            raise AttackConfigError(f"attack {self.name}: distance must be cosine or euclidean, got {self.distance!r}")
+            raise AttackConfigError(f"attack {self.name}: masks must be one of {tuple(MASK_MODES)}, got {self.masks!r}")
+        if self.distance not in DISTANCES:
+            raise AttackConfigError(f"attack {self.name}: distance must be one of {tuple(DISTANCES)}, got {self.distance!r}")
         if self.mask_init not in MASK_INITS:
             raise AttackConfigError(f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}")
         for key in ("max_iterations", "patience", "plateau_patience"):
@@ -46,16 +46,19 @@ class AttackConfig:
         for key in ("lr", "plateau_factor"):
             if not getattr(self, key) > 0:
                 raise AttackConfigError(f"attack {self.name}: {key} must be positive, got {getattr(self, key)!r}")
-        for key in ("lambda_pos", "lambda_mask", "loss_threshold"):
-            if getattr(self, key) < 0:
-                raise AttackConfigError(f"attack {self.name}: {key} must be >= 0, got {getattr(self, key)!r}")
-        if self.tv_weight is not None and self.tv_weight < 0:
-            raise AttackConfigError(f"attack {self.name}: tv_weight must be >= 0, got {self.tv_weight!r}")
+        for key in ("loss_threshold", *TERMS):  # every loss term's weight: None (its default) or >= 0
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise AttackConfigError(f"attack {self.name}: {key} must be >= 0, got {value!r}")
 
     def tv_for(self, model_name: str) -> float:
-        if self.tv_weight is not None:
-            return self.tv_weight
-        return 1e-2 if model_name in ("lenet", "resnet18") else 1e-5
+        return term_weight(self, "tv_weight", model_name)
+
+    @property
+    def receives_oracle(self) -> bool:
+        """The threat model in one place: only a mask mode that replays true masks (WIIG) may see
+        the client's ground truth; IG and DIA see only what the server saw."""
+        return MASK_MODES[self.masks].uses_oracle
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,8 +28,8 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
 from .jobs import Oracle, VictimJob, model_from_job
-from .masks import analytical_masks, init_mask
-from .objectives import cosine_distance, euclidean_distance, mask_regularizer, param_cosine_distance, total_variation
+from .masks import MaskContext, mask_mode
+from .objectives import DISTANCES, TERMS, TermInputs, term_weight
 
 
 @dataclass
@@ -109,31 +109,26 @@ class InversionModule(L.LightningModule):
         for j, (job, attack) in enumerate(zip(jobs, attacks)):
             gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
             self.images.append(nn.Parameter(torch.randn(self.B, *first.spec.input_shape, generator=gen)))
-            slots = []
-            if oracles and oracles[j] is not None and attack.masks != "oracle":
+            oracle = oracles[j] if oracles else None
+            if oracle is not None and not attack.receives_oracle:
                 # The threat model: IG and DIA see only what the server saw, never ground truth.
                 raise ValueError(f"job {job.job_id}: attack {attack.name} must not receive the oracle (only WIIG replays true masks)")
-            if attack.masks == "learn" and self.p > 0:
-                if attack.mask_init == "analytical":
-                    init = analytical_masks(self.model, job.gradient, self.mask_shapes, self.p, gen)
-                else:
-                    init = [init_mask(s, self.p, attack.mask_init, gen) for s in self.mask_shapes]
-                for m in init:
+            mode = mask_mode(attack.masks, self.p)
+            if mode.uses_oracle and oracle is None:
+                raise ValueError(f"job {job.job_id}: WIIG replays the client's true masks and needs its oracle")
+            if mode.kind == "random":
+                self.mask_slots.append([("random", -1)] * len(self.mask_shapes))
+                continue
+            assert mode.init is not None
+            init = mode.init(MaskContext(self.mask_shapes, self.p, attack.mask_init, self.model, job.gradient, oracle, gen))
+            slots = []
+            for m in init:
+                if mode.kind == "learn":
                     slots.append(("learn", len(self.learned)))
                     self.learned.append(nn.Parameter(m))
-            elif attack.masks == "oracle" and self.p > 0:
-                oracle = oracles[j] if oracles else None
-                if oracle is None:
-                    raise ValueError(f"job {job.job_id}: WIIG replays the client's true masks and needs its oracle")
-                for m in oracle.masks:
+                else:
                     slots.append(("const", len(self.const_masks)))
-                    self.const_masks.append(m.float())
-            elif attack.masks == "random" and self.p > 0:
-                slots = [("random", -1)] * len(self.mask_shapes)
-            else:  # off, or p == 0: a constant 1 - p cancels the 1/(1-p) scaling
-                for s in self.mask_shapes:
-                    slots.append(("const", len(self.const_masks)))
-                    self.const_masks.append(torch.full(s, 1.0 - self.p))
+                    self.const_masks.append(m)
             self.mask_slots.append(slots)
         for i, m in enumerate(self.const_masks):
             self.register_buffer(f"const_mask_{i}", m, persistent=False)
@@ -149,13 +144,17 @@ class InversionModule(L.LightningModule):
                     opt, mode="min", factor=attack.plateau_factor, patience=attack.plateau_patience
                 )
             )
-        # Per-job settings as vectors, indexed by the active jobs each step.
-        self.register_buffer("tv_weights", torch.tensor([a.tv_for(first.spec.name) for a in attacks]), persistent=False)
-        self.register_buffer("euclidean", torch.tensor([a.distance == "euclidean" for a in attacks]), persistent=False)
-        self.register_buffer("lambda_pos", torch.tensor([a.lambda_pos for a in attacks]), persistent=False)
-        learns = [a.masks == "learn" and self.p > 0 for a in attacks]
-        self.register_buffer("lambda_mask", torch.tensor([a.lambda_mask if on else 0.0 for a, on in zip(attacks, learns)]),
+        # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
+        # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
+        self.distance_names = sorted({a.distance for a in attacks})
+        self.register_buffer("distance_index", torch.tensor([self.distance_names.index(a.distance) for a in attacks]),
                              persistent=False)
+        learns = [mask_mode(a.masks, self.p).kind == "learn" for a in attacks]
+        self.term_keys = list(TERMS)
+        for key in self.term_keys:
+            weights = [term_weight(a, key, first.spec.name) if learned or not TERMS[key].learned_masks_only else 0.0
+                       for a, learned in zip(attacks, learns)]
+            self.register_buffer(f"weight_{key}", torch.tensor(weights), persistent=False)
         self.iteration = 0
         self.status = ["running"] * self.V
         self.best_loss = [float("inf")] * self.V
@@ -218,15 +217,15 @@ class InversionModule(L.LightningModule):
             set_dropout_mode(self.model, DropoutMode.LEARN)
         terms = self._terms(x, active)
         index = torch.tensor(active, device=x.device)
-        euclid, lam_pos, lam_mask = (v.index_select(0, index) for v in (self.euclidean, self.lambda_pos, self.lambda_mask))
-        dist = cosine_distance(terms)
-        if euclid.any():
-            dist = torch.where(euclid, euclidean_distance(terms), dist)
-        if lam_pos.any():
-            dist = dist + lam_pos * param_cosine_distance(terms, "pos_embedding")
-        loss = dist + self.tv_weights.index_select(0, index) * total_variation(x, len(active))
-        if layers and lam_mask.any():  # zero weight for every job whose masks are not learned
-            loss = loss + lam_mask * mask_regularizer(layers, len(active), self.p)
+        chosen = self.distance_index.index_select(0, index)
+        loss = DISTANCES[self.distance_names[0]](terms)
+        for d, name in enumerate(self.distance_names[1:], start=1):
+            loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
+        inputs = TermInputs(terms, x, len(active), layers, self.p)
+        for key in self.term_keys:
+            weight = getattr(self, f"weight_{key}").index_select(0, index)
+            if weight.any():  # a term no active job uses is not computed
+                loss = loss + weight * TERMS[key].fn(inputs)
         return loss, x
 
     def training_step(self, batch, batch_idx):

@@ -1,6 +1,10 @@
-"""DIA mask initializations (paper appendix Table 3)."""
+"""How attacks treat the client's dropout masks: the mask modes, and DIA's initializations (paper Table 3)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,3 +51,54 @@ def analytical_masks(
                 masks.append(init_mask(shape, p, "bernoulli", generator))
             last_linear = None  # a mask only follows the Linear right before it
     return masks
+
+
+# -- mask modes: how an attack treats the client's dropout, in one table ----------------------------
+
+
+@dataclass
+class MaskContext:
+    """What a mode may use to build one job's masks."""
+
+    shapes: list[torch.Size]
+    p: float
+    mask_init: str
+    model: nn.Module
+    gradient: list[Tensor]
+    oracle: Any  # attacker.jobs.Oracle, only for modes with uses_oracle
+    generator: torch.Generator
+
+
+@dataclass(frozen=True)
+class MaskMode:
+    kind: str  # learn: optimized per job; const: fixed per job; random: fresh Bernoulli(1 - p) each iteration
+    init: Callable[[MaskContext], list[Tensor]] | None = None  # initial masks (learn, const)
+    uses_oracle: bool = False  # the threat model: only such modes may see the client's true masks
+
+
+def _off(ctx: MaskContext) -> list[Tensor]:
+    # a constant 1 - p cancels the 1/(1 - p) scaling: dropout off, as in eval mode
+    return [torch.full(s, 1.0 - ctx.p) for s in ctx.shapes]
+
+
+def _oracle(ctx: MaskContext) -> list[Tensor]:
+    return [m.float() for m in ctx.oracle.masks]
+
+
+def _learn(ctx: MaskContext) -> list[Tensor]:
+    if ctx.mask_init == "analytical":
+        return analytical_masks(ctx.model, ctx.gradient, ctx.shapes, ctx.p, ctx.generator)
+    return [init_mask(s, ctx.p, ctx.mask_init, ctx.generator) for s in ctx.shapes]
+
+
+MASK_MODES: dict[str, MaskMode] = {
+    "off": MaskMode("const", _off),  # IG (eval)
+    "random": MaskMode("random"),  # IG (train)
+    "oracle": MaskMode("const", _oracle, uses_oracle=True),  # WIIG
+    "learn": MaskMode("learn", _learn),  # DIA
+}
+
+
+def mask_mode(name: str, p: float) -> MaskMode:
+    """The mode an attack runs in; with p = 0 there is no dropout to treat, so every mode is off."""
+    return MASK_MODES["off"] if p == 0 else MASK_MODES[name]

@@ -1,6 +1,16 @@
-"""Attack objectives: gradient distances from per-job terms, total variation, mask regularizer."""
+"""Attack objectives as lookups: a gradient distance by name, and loss terms by their weight key.
+
+The engine's loss for job j is ``DISTANCES[attack.distance](terms)[j] + sum_k w_k[j] * TERMS[k].fn(inputs)[j]``.
+Adding a distance is one function in ``DISTANCES``; adding a prior or regularizer is one function
+registered with :func:`term` under the name of its weight key, plus that key (default 0) in
+``attacker.attacks.AttackConfig``. Every function returns one value per job.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -9,13 +19,60 @@ from .gradients import MatchTerms
 EPS = 1e-8
 
 
+@dataclass
+class TermInputs:
+    """What a loss term may look at: the matching terms, the dummy images of the active jobs
+    (job-major rows), each dropout layer's masks for those jobs, and the dropout rate."""
+
+    match: MatchTerms
+    images: Tensor
+    num_jobs: int
+    masks: list[Tensor]
+    p: float
+
+
+@dataclass(frozen=True)
+class Term:
+    key: str  # the AttackConfig field holding its weight
+    fn: Callable[[TermInputs], Tensor]
+    learned_masks_only: bool = False  # weight forced to 0 for jobs whose masks are not learned
+    default: Callable[[str], float] | None = None  # the weight when the config says None, by model name
+
+
+DISTANCES: dict[str, Callable[[MatchTerms], Tensor]] = {}
+TERMS: dict[str, Term] = {}
+
+
+def distance(name: str):
+    def register(fn: Callable[[MatchTerms], Tensor]) -> Callable[[MatchTerms], Tensor]:
+        DISTANCES[name] = fn
+        return fn
+
+    return register
+
+
+def term(key: str, *, learned_masks_only: bool = False, default: Callable[[str], float] | None = None):
+    def register(fn: Callable[[TermInputs], Tensor]) -> Callable[[TermInputs], Tensor]:
+        TERMS[key] = Term(key, fn, learned_masks_only, default)
+        return fn
+
+    return register
+
+
+# -- distances --------------------------------------------------------------------------------------
+
+
+def _cosine(dot: Tensor, norm2: Tensor, target_norm2: Tensor) -> Tensor:
+    return 1 - dot.sum(0) / (norm2.sum(0).clamp_min(0).sqrt() * target_norm2.sum(0).sqrt() + EPS)
+
+
+@distance("cosine")
 def cosine_distance(terms: MatchTerms) -> Tensor:
     """ONE cosine distance over all parameter gradients concatenated (not per layer), per job."""
-    dot = terms.dot.sum(0)
-    norm = terms.norm2.sum(0).clamp_min(0).sqrt() * terms.target_norm2.sum(0).sqrt()
-    return 1 - dot / (norm + EPS)
+    return _cosine(terms.dot, terms.norm2, terms.target_norm2)
 
 
+@distance("euclidean")
 def euclidean_distance(terms: MatchTerms) -> Tensor:
     """Squared Euclidean distance ||g - g*||^2 per job (APRIL's D), from the same terms."""
     return (terms.norm2 - 2 * terms.dot + terms.target_norm2).sum(0)
@@ -26,9 +83,26 @@ def param_cosine_distance(terms: MatchTerms, name_suffix: str) -> Tensor:
     rows = [i for i, n in enumerate(terms.names) if n.endswith(name_suffix)]
     if not rows:
         raise ValueError(f"the model has no parameter named *{name_suffix}")
-    dot = terms.dot[rows].sum(0)
-    norm = terms.norm2[rows].sum(0).clamp_min(0).sqrt() * terms.target_norm2[rows].sum(0).sqrt()
-    return 1 - dot / (norm + EPS)
+    return _cosine(terms.dot[rows], terms.norm2[rows], terms.target_norm2[rows])
+
+
+# -- loss terms -------------------------------------------------------------------------------------
+
+
+@term("lambda_pos")
+def position_embedding_term(inputs: TermInputs) -> Tensor:
+    """APRIL's extra cosine term on the position-embedding gradient (ViT)."""
+    return param_cosine_distance(inputs.match, "pos_embedding")
+
+
+@term("tv_weight", default=lambda model: 1e-2 if model in ("lenet", "resnet18") else 1e-5)
+def total_variation_term(inputs: TermInputs) -> Tensor:
+    return total_variation(inputs.images, inputs.num_jobs)
+
+
+@term("lambda_mask", learned_masks_only=True)
+def mask_term(inputs: TermInputs) -> Tensor:
+    return mask_regularizer(inputs.masks, inputs.num_jobs, inputs.p)
 
 
 def total_variation(x: Tensor, num_jobs: int) -> Tensor:
@@ -43,3 +117,12 @@ def mask_regularizer(layers: list[Tensor], num_jobs: int, p: float) -> Tensor:
     """Paper eq. 5 per job: sum over layers of |p - (1 - mean(psi))|, each mean over the job's own
     entries. layers[i]: masks of layer i for all jobs, rows job by job."""
     return sum(((1 - m.reshape(num_jobs, -1).mean(1)) - p).abs() for m in layers)  # type: ignore[return-value]
+
+
+def term_weight(attack: Any, key: str, model_name: str) -> float:
+    """The weight of loss term ``key`` for ``attack`` on ``model_name`` (None: the term's default)."""
+    value = getattr(attack, key)
+    if value is None:
+        default = TERMS[key].default
+        return default(model_name) if default is not None else 0.0
+    return float(value)

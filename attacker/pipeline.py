@@ -127,12 +127,11 @@ def run_attack(
     scoring_oracles: list[Oracle | None] = []
     for attack in attack_cfgs:
         for job, oracle in zip(jobs, oracles):
-            if attack.masks == "oracle" and oracle is None:
+            if attack.receives_oracle and oracle is None:
                 continue  # WIIG needs the client's true masks: only audited runs have them
             all_jobs.append(job)
             all_attacks.append(attack)
-            # Only WIIG receives the oracle (its masks); IG and DIA never do.
-            all_oracles.append(oracle if attack.masks == "oracle" else None)
+            all_oracles.append(oracle if attack.receives_oracle else None)  # the threat model (attacks.py)
             scoring_oracles.append(oracle)
     if not all_jobs:
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
