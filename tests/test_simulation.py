@@ -225,3 +225,26 @@ def test_run_config_schema_validates_and_maps_snake_case() -> None:
         with pytest.raises(RunConfigError, match=match):
             resolve_config(bad)
     assert resolve_config({"colour": "red"}, strict=False) == DEFAULTS
+
+
+def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: Path) -> None:
+    """`attacker` configures root logging; Flower's logger has a handler of its own. A tiny
+    simulation under that configuration prints each Flower line once (it used to print twice)."""
+    import re
+    import subprocess
+    import sys
+
+    config = {"num-clients": 2, "num-server-rounds": 1, "local-steps": 1, "download": False,
+              "data-root": str(tmp_path / "data"), "run-dir": str(tmp_path / "run")}
+    code = ("from attacker.cli import configure_logging; configure_logging(); "
+            f"from fedsim.simulation import run_simulation_job; run_simulation_job({config!r})")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    lines = [re.sub(r"^(DEBUG|INFO|WARNING|ERROR)\s*:\s*", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    assert sum("[ROUND 1/1]" in line for line in lines) == 1, text[-3000:]
+    assert sum("Starting CuriousFedAvg strategy" in line for line in lines) == 1
+    assert [a for a, b in zip(lines, lines[1:]) if a == b] == [], text[-3000:]
