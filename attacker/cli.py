@@ -183,6 +183,16 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def configure_logging() -> None:
+    """Library warnings as plain lines on stderr, each once.
+
+    Flower's ``flwr`` logger prints through a console handler of its own; propagating to the root
+    handler as well would print every Flower line twice (its DEBUG lines once more), so it stops at
+    its own handler."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("flwr").propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "presets":
@@ -194,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(table)
         return 0
     _quiet_libraries()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    configure_logging()
     try:
         if args.command == "experiment":
             return _experiment(args)

@@ -1,1 +1,2 @@
-"""Federated side: dropout-aware models, data, and (later) the Flower app and capture store."""
+"""Federated side: dropout-aware models and data, the Flower app (ServerApp with the curious
+FedAvg, ClientApp), its run config, the capture store, and the ``fedsim`` command line."""

@@ -38,7 +38,9 @@ ORACLE_FORMAT = "fedsim.oracle"
 META_FILE = "record.json"
 TENSOR_FILE = "tensors.safetensors"
 CAPTURE_KINDS = ("gradient", "update")
-LABEL_POLICIES = ("known", "unknown")
+LABEL_POLICIES = ("known", "recovered")  # the run config's ``labels`` values
+# Stored values of earlier versions, read as today's: "unknown" labels are the ones to recover.
+_OLD_LABEL_POLICIES = {"unknown": "recovered"}
 
 
 class CaptureError(ValueError):
@@ -62,7 +64,7 @@ class Capture:
     batch_size: int
     num_examples: int
     lr: float
-    label_policy: str
+    label_policy: str  # known: the labels are stored; recovered: the attacker must recover them
     param_names: list[str]
     gradient: list[torch.Tensor] | None = None
     update: dict[str, torch.Tensor] | None = None
@@ -266,7 +268,10 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             if set(update) != set(weights):
                 raise CaptureError(f"capture {path}: update tensors do not match the weight names")
         labels = tensors.get("labels")
-        if meta["label_policy"] == "known" and labels is None:
+        label_policy = _OLD_LABEL_POLICIES.get(meta["label_policy"], meta["label_policy"])
+        if label_policy not in LABEL_POLICIES:
+            raise CaptureError(f"capture {path}: unknown label policy {label_policy!r}")
+        if label_policy == "known" and labels is None:
             raise CaptureError(f"capture {path}: label policy 'known' but no labels stored")
         if labels is not None and labels.shape != (int(meta["batch_size"]),):
             raise CaptureError(f"capture {path}: {labels.shape[0]} labels for batch size {meta['batch_size']}")
@@ -280,7 +285,7 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             batch_size=int(meta["batch_size"]),
             num_examples=int(meta["num_examples"]),
             lr=float(meta["lr"]),
-            label_policy=str(meta["label_policy"]),
+            label_policy=label_policy,
             param_names=param_names,
             gradient=gradient,
             update=update,

@@ -20,49 +20,131 @@ from rich.table import Table  # noqa: E402
 
 console = Console()
 
+# Extra option strings for a few run config keys (the flag is always "--" + the key).
+ALIASES: dict[str, tuple[str, ...]] = {"num-server-rounds": ("--rounds",), "num-clients": ("--clients",)}
 
-def _add_federation_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--dataset", default="mnist")
-    parser.add_argument("--rounds", type=int, default=3, help="number of server rounds")
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--partitioning", choices=["iid", "dirichlet"], default="iid")
-    parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--local-steps", type=int, default=0, help="> 0: batches per round instead of epochs")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    parser.add_argument("--early-stop-patience", type=int, default=0, help="rounds without improvement; 0: off")
-    parser.add_argument("--data-root", default="data")
-    parser.add_argument("--no-download", action="store_true", help="never try to download datasets")
-    parser.add_argument("--seed", type=int, default=0)
+# Where a subcommand differs from the run config's defaults (fedsim.run_config.SCHEMA), all in one place.
+# "run-dir" is the folder under which a run without --run-dir gets a new, timestamped folder.
+SUBCOMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "simulate": {},
+    "sweep": {},
+    "deploy-local": {"num-clients": 2, "num-server-rounds": 2, "run-dir": "runs/deploy"},
+}
+METAVARS = {int: "INT", float: "FLOAT", str: "TEXT"}
+SWEEP_P = ("0", "0.25", "0.5", "0.75")  # the dropout rates of a sweep without --p
+SWEEP_OUT = "runs/sweep"
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given (a folder in the way, a missing file, a bad --set)."""
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors that mean "the user asked for something impossible": one line, exit 2.
+
+    Called only when an exception is on its way out, so ``--help`` never imports torch."""
+    from fedsim.capture import CaptureError
+    from fedsim.data import DataUnavailableError
+    from fedsim.models import ModelSpecError
+    from fedsim.run_config import RunConfigError
+
+    return (UsageError, RunConfigError, CaptureError, DataUnavailableError, ModelSpecError)
+
+
+def _dest(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if value == "" else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def add_run_config_args(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None, exclude: tuple[str, ...] = ()
+) -> None:
+    """One flag per run config setting (``--`` + its key), help and defaults from the schema.
+
+    Every flag defaults to None ("not given"), so :func:`run_config_from_args` can tell what the
+    user set; ``defaults`` are this subcommand's departures from the schema's defaults."""
+    from fedsim.run_config import SCHEMA
+
+    defaults = dict(defaults or {})
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    keys = [setting.key for setting in SCHEMA if setting.key not in exclude]
+    for setting in SCHEMA:
+        if setting.key not in keys:
+            continue
+        if setting.group not in groups:
+            groups[setting.group] = parser.add_argument_group(f"run config: {setting.group}")
+        default = defaults.get(setting.key, setting.default)
+        flags = ["--" + setting.key, *ALIASES.get(setting.key, ())]
+        if setting.key == "run-dir":
+            text = f"{setting.help} (default: a new folder under {default})"
+        else:
+            allowed = setting.describe()
+            text = f"{setting.help} ({allowed + '; ' if allowed else ''}default: {_shown(default)})"
+        text = text.replace("%", "%%")
+        if setting.type is bool:
+            groups[setting.group].add_argument(*flags, dest=_dest(setting.key), default=None,
+                                               action=argparse.BooleanOptionalAction, help=text)
+        else:
+            metavar = "{" + ",".join(setting.choices) + "}" if setting.choices else METAVARS[setting.type]
+            groups[setting.group].add_argument(*flags, dest=_dest(setting.key), default=None, metavar=metavar,
+                                               help=text)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other run config key (see fedsim.run_config.DEFAULTS); repeatable")
+                        help="any run config key (fedsim.run_config.SCHEMA), applied after the flags; repeatable")
+    parser.set_defaults(run_config_defaults=defaults, run_config_keys=keys)
 
 
-def _base_config(args: argparse.Namespace) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "model": args.model,
-        "dataset": args.dataset,
-        "num-server-rounds": args.rounds,
-        "num-clients": args.clients,
-        "partitioning": args.partitioning,
-        "local-epochs": args.local_epochs,
-        "local-steps": args.local_steps,
-        "batch-size": args.batch_size,
-        "lr": args.lr,
-        "optimizer": args.optimizer,
-        "early-stop-patience": args.early_stop_patience,
-        "data-root": args.data_root,
-        "download": not args.no_download,
-        "seed": args.seed,
-    }
+def run_config_from_args(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
+    """The resolved run config: schema defaults < subcommand defaults < flags < --set < ``fixed``.
+
+    Raises RunConfigError (unknown key, bad value) or UsageError (a --set without '=')."""
+    from fedsim.run_config import resolve_config
+
+    flags = {key: getattr(args, _dest(key)) for key in args.run_config_keys if getattr(args, _dest(key)) is not None}
+    defaults = {k: v for k, v in args.run_config_defaults.items() if k != "run-dir"}
+    return resolve_config(defaults, flags, _set_pairs(args), fixed)
+
+
+def _set_pairs(args: argparse.Namespace) -> dict[str, str]:
+    pairs: dict[str, str] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        cfg[key.strip()] = value.strip()
-    return cfg
+        if not sep or not key.strip():
+            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def _new_run_dir(args: argparse.Namespace, cfg: dict[str, Any]) -> str:
+    """--run-dir when given, else a new timestamped folder under the subcommand's runs folder."""
+    from fedsim.run_config import DEFAULTS, to_run_config
+
+    if args.run_dir is not None or "run-dir" in to_run_config(_set_pairs(args)):
+        return cfg["run-dir"]
+    base = args.run_config_defaults.get("run-dir", DEFAULTS["run-dir"])
+    return f"{base}/{time.strftime('%Y%m%d-%H%M%S')}-{cfg['model']}-{cfg['dataset']}-p{cfg['p']}"
+
+
+def _check_new_folder(path: str | Path, what: str) -> Path:
+    """``path`` resolved; UsageError unless it is new or an empty folder (never write into a used one)."""
+    path = Path(path).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {path} is a file, not a folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise UsageError(f"{what} {path} is not empty; choose a new folder (runs never mix or overwrite)")
+    return path
+
+
+def _check_model_and_data(cfg: dict[str, Any]) -> None:
+    """Build the model and load the test split now, before any Ray or Flower process starts, so a
+    bad model or a missing or corrupt data root is one line (the simulation reuses the split)."""
+    from fedsim import task
+
+    cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())  # as the simulation resolves it
+    task.make_model(cfg)
+    task.load_split(cfg, train=False)
 
 
 def _rounds_table(results: dict[str, Any], title: str) -> Table:
@@ -76,35 +158,26 @@ def _rounds_table(results: dict[str, Any], title: str) -> Table:
     return table
 
 
-def _capture_config(args: argparse.Namespace, runs: str) -> dict[str, Any] | None:
-    """The run config of a capturing federation (simulate, deploy-local); None after a config error."""
-    from fedsim.run_config import RunConfigError, resolve_config
-
-    cfg = _base_config(args)
-    cfg.update({"p": args.p, "capture-rounds": args.capture_rounds, "capture-kind": args.capture_kind,
-                "victim-batch-size": args.victim_batch_size, "audit": args.audit,
-                "label-policy": args.label_policy})
-    cfg["run-dir"] = args.run_dir or f"{runs}/{time.strftime('%Y%m%d-%H%M%S')}-{args.model}-{args.dataset}-p{args.p}"
-    try:
-        resolve_config(cfg)
-    except RunConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
-        return None
+def _capture_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The checked run config of a capturing federation (simulate, deploy-local); its run folder is
+    new or empty, and model and data load. Raises a user error before anything is written."""
+    cfg = run_config_from_args(args)
+    cfg["run-dir"] = str(_check_new_folder(_new_run_dir(args, cfg), "run folder"))
+    _check_model_and_data(cfg)
     return cfg
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    cfg = _capture_config(args)
     from fedsim.simulation import load_results, run_simulation_job
 
-    cfg = _capture_config(args, "runs/fedsim")
-    if cfg is None:
-        return 2
-    console.print(f"[bold]fedsim simulate[/bold]: {args.model}/{args.dataset} p={args.p}, {args.clients} clients, "
-                  f"{args.rounds} rounds -> {cfg['run-dir']}")
+    what = f"{cfg['model']}/{cfg['dataset']} p={cfg['p']}"
+    console.print(f"[bold]fedsim simulate[/bold]: {what}, {cfg['num-clients']} clients, "
+                  f"{cfg['num-server-rounds']} rounds -> {cfg['run-dir']}")
     t0 = time.time()
     run_dir = run_simulation_job(cfg)
     results = load_results(run_dir)
-    console.print(_rounds_table(results, f"{args.model}/{args.dataset} p={args.p}"))
+    console.print(_rounds_table(results, what))
     console.print(f"final accuracy {100 * results['final_accuracy']:.2f}%, best {100 * results['best_accuracy']:.2f}% "
                   f"(round {results['best_round']}), {results['num_captures']} captures, "
                   f"{time.time() - t0:.1f} s; results in [bold]{run_dir}[/bold]")
@@ -112,18 +185,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    # Every cell's config and the output folder are checked before the first cell runs.
+    cells = [run_config_from_args(args, p=p) for p in args.p]
+    ps = [cell["p"] for cell in cells]
+    if len(set(ps)) != len(ps):
+        raise UsageError(f"--p repeats a value: {' '.join(f'{p:g}' for p in ps)}")
+    base = cells[0]
+    out = _check_new_folder(args.out or f"{SWEEP_OUT}/{time.strftime('%Y%m%d-%H%M%S')}-{base['model']}-{base['dataset']}",
+                            "--out folder")
+    _check_model_and_data(base)
+    for cell in cells:
+        cell.update({"run-dir": str(out / f"p{cell['p']}"), "data-root": base["data-root"]})
     from fedsim.simulation import load_results, run_simulation_job
 
-    out = Path(args.out or f"runs/sweep/{time.strftime('%Y%m%d-%H%M%S')}-{args.model}-{args.dataset}")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for p in args.p:
-        cfg = _base_config(args)
-        cfg.update({"p": p, "run-dir": str(out / f"p{p}")})
-        console.print(f"[bold]sweep[/bold] {args.model}/{args.dataset} p={p} ...")
+    for cfg in cells:
+        console.print(f"[bold]sweep[/bold] {cfg['model']}/{cfg['dataset']} p={cfg['p']} ...")
         t0 = time.time()
         results = load_results(run_simulation_job(cfg))
-        rows.append({"model": args.model, "dataset": args.dataset, "p": p, "rounds": results["rounds_run"],
+        rows.append({"model": cfg["model"], "dataset": cfg["dataset"], "p": cfg["p"], "rounds": results["rounds_run"],
                      "final_accuracy": results["final_accuracy"], "best_accuracy": results["best_accuracy"],
                      "best_round": results["best_round"], "wall_s": round(time.time() - t0, 1)})
     csv_path = out / "accuracy_vs_p.csv"
@@ -132,8 +213,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         writer.writeheader()
         writer.writerows(rows)
     png_path = out / "accuracy_vs_p.png"
-    _plot_sweep(rows, png_path, f"{args.model} / {args.dataset}, {args.clients} clients, {args.rounds} rounds")
-    table = Table(title=f"test accuracy against dropout rate ({args.model}/{args.dataset})")
+    _plot_sweep(rows, png_path, f"{base['model']} / {base['dataset']}, {base['num-clients']} clients, "
+                                f"{base['num-server-rounds']} rounds")
+    table = Table(title=f"test accuracy against dropout rate ({base['model']}/{base['dataset']})")
     for col in ("p", "final acc", "best acc", "best round", "wall s"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -167,19 +249,26 @@ def _plot_sweep(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def cmd_captures(args: argparse.Namespace) -> int:
     from fedsim.capture import CaptureError, list_captures, load_capture
 
-    paths = list_captures(args.run_dir)
-    table = Table(title=f"captures in {args.run_dir}")
+    folder = Path(args.run_dir)
+    if not folder.exists():
+        raise UsageError(f"{folder} does not exist (expected a run folder or its captures/)")
+    if not folder.is_dir():
+        raise UsageError(f"{folder} is a file, not a run folder")
+    paths = list_captures(folder)
+    if not paths:
+        raise UsageError(f"{folder} holds no captures (expected a run folder or its captures/)")
+    table = Table(title=f"captures in {folder}")
     for col in ("round", "client", "kind", "model", "p", "B", "lr", "labels", "path"):
         table.add_column(col)
     bad = 0
     for path in paths:
         try:
             c = load_capture(path, check_model=False)
-        except CaptureError as exc:
+        except CaptureError as exc:  # one bad record among good ones: listed, and the exit code says so
             bad += 1
             console.print(f"[red]{exc}[/red]")
             continue
-        labels = "" if c.labels is None else ",".join(str(int(v)) for v in c.labels[:8])
+        labels = c.label_policy if c.labels is None else ",".join(str(int(v)) for v in c.labels[:8])
         table.add_row(str(c.round), str(c.client), c.kind, c.spec.name, f"{c.p:g}", str(c.batch_size), f"{c.lr:g}",
                       labels, path.name)
     console.print(table)
@@ -187,38 +276,44 @@ def cmd_captures(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy_local(args: argparse.Namespace) -> int:
-    from fedsim.deployment import DeploymentError, deploy_local
-    from fedsim.simulation import load_results
+    from fedsim.deployment import DeploymentError, TLSFiles, deploy_local
 
-    cfg = _capture_config(args, "runs/deploy")
-    if cfg is None:
-        return 2
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
     if args.node_auth and not args.tls_dir:
-        console.print("[red]--node-auth needs --tls-dir[/red] (Flower allows SuperNode authentication only over TLS)")
-        return 2
+        raise UsageError("--node-auth needs --tls-dir (Flower allows SuperNode authentication only over TLS)")
+    tls = None
+    if args.tls_dir:
+        try:
+            tls = TLSFiles.from_dir(args.tls_dir)
+        except DeploymentError as exc:
+            raise UsageError(str(exc)) from None
+    cfg = _capture_config(args)
     node_keys = None
     if args.node_auth:
-        node_keys = [Path(args.tls_dir) / f"supernode-{i + 1}" for i in range(args.clients)]
+        node_keys = [Path(args.tls_dir) / f"supernode-{i + 1}" for i in range(cfg["num-clients"])]
         missing = [str(k) for k in node_keys if not k.is_file() or not k.with_name(k.name + ".pub").is_file()]
         if missing:
-            console.print(f"[red]missing SuperNode keys[/red] {missing}; run deploy/make-certs.sh {args.tls_dir} {args.clients}")
-            return 2
-    if args.audit:
+            raise UsageError(f"missing SuperNode keys {missing}; run deploy/make-certs.sh {args.tls_dir} {cfg['num-clients']}")
+    from fedsim.simulation import load_results
+
+    if cfg["audit"]:
         console.print("[yellow]warning:[/yellow] --audit makes the clients send their ground truth (the oracle) to the "
                       "server; in a deployment the server is the attacker. Use it only for measurements.")
-    transport = "TLS" if args.tls_dir else "insecure"
-    console.print(f"[bold]fedsim deploy-local[/bold]: {args.model}/{args.dataset} p={args.p}, SuperLink + {args.clients} "
-                  f"SuperNodes on loopback ({transport}{', SuperNode auth' if node_keys else ''}), {args.rounds} rounds "
-                  f"-> {cfg['run-dir']}")
+    transport = "TLS" if tls else "insecure"
+    what = f"{cfg['model']}/{cfg['dataset']} p={cfg['p']}"
+    console.print(f"[bold]fedsim deploy-local[/bold]: {what}, SuperLink + {cfg['num-clients']} "
+                  f"SuperNodes on loopback ({transport}{', SuperNode auth' if node_keys else ''}), "
+                  f"{cfg['num-server-rounds']} rounds -> {cfg['run-dir']}")
     t0 = time.time()
     try:
-        result = deploy_local(cfg, tls=args.tls_dir, node_keys=node_keys, timeout=args.timeout,
+        result = deploy_local(cfg, tls=tls, node_keys=node_keys, timeout=args.timeout,
                               echo=None if args.quiet else sys.stdout)
     except (DeploymentError, FileExistsError) as exc:
         console.print(f"[red]deployment failed:[/red] {exc}")
         return 1
     results = load_results(result.run_dir)
-    console.print(_rounds_table(results, f"deployment run {result.run_id}: {args.model}/{args.dataset} p={args.p}"))
+    console.print(_rounds_table(results, f"deployment run {result.run_id}: {what}"))
     console.print(f"run {result.run_id} {result.status}; final accuracy {100 * results['final_accuracy']:.2f}%, "
                   f"{results['num_captures']} captures, {time.time() - t0:.1f} s; every process stopped. "
                   f"Results in [bold]{result.run_dir}[/bold], logs in {result.work_dir / 'logs'}")
@@ -230,34 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="run one federation in Flower's simulation engine (Ray)")
-    _add_federation_args(sim)
-    sim.add_argument("--p", type=float, default=0.25, help="dropout rate")
-    sim.add_argument("--capture-rounds", default="", help="'all' or rounds like '1,3'")
-    sim.add_argument("--capture-kind", choices=["gradient", "update"], default="gradient")
-    sim.add_argument("--victim-batch-size", type=int, default=1, help="B of the one-step capture rounds")
-    sim.add_argument("--label-policy", choices=["known", "unknown"], default="known")
-    sim.add_argument("--audit", action="store_true", help="also store the clients' ground truth (oracle)")
-    sim.add_argument("--run-dir", default=None)
+    add_run_config_args(sim, SUBCOMMAND_DEFAULTS["simulate"])
     sim.set_defaults(func=cmd_simulate)
 
     sweep = sub.add_parser("sweep", help="Table 1's accuracy column: test accuracy against p")
-    _add_federation_args(sweep)
-    sweep.add_argument("--p", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75])
-    sweep.add_argument("--out", default=None, help="output folder (one run folder per p inside)")
+    add_run_config_args(sweep, SUBCOMMAND_DEFAULTS["sweep"], exclude=("p", "run-dir"))
+    sweep.add_argument("--p", nargs="+", default=list(SWEEP_P), metavar="P",
+                       help=f"dropout rates, one federation each (default: {' '.join(SWEEP_P)})")
+    sweep.add_argument("--out", default=None,
+                       help=f"new output folder, one run folder per p inside (default: a new folder under {SWEEP_OUT})")
     sweep.set_defaults(func=cmd_sweep)
 
     dep = sub.add_parser("deploy-local", help="the same app in Flower's deployment engine: SuperLink + SuperNodes "
                          "as processes on loopback, flwr run, then stop them all")
-    _add_federation_args(dep)
-    dep.set_defaults(clients=2, rounds=2)
-    dep.add_argument("--p", type=float, default=0.25, help="dropout rate")
-    dep.add_argument("--capture-rounds", default="", help="'all' or rounds like '1,3'")
-    dep.add_argument("--capture-kind", choices=["gradient", "update"], default="gradient")
-    dep.add_argument("--victim-batch-size", type=int, default=1, help="B of the one-step capture rounds")
-    dep.add_argument("--label-policy", choices=["known", "unknown"], default="known")
-    dep.add_argument("--audit", action="store_true",
-                     help="clients also send their ground truth (off by default: the server is the attacker)")
-    dep.add_argument("--run-dir", default=None)
+    add_run_config_args(dep, SUBCOMMAND_DEFAULTS["deploy-local"])
     dep.add_argument("--tls-dir", default=None,
                      help="TLS between CLI/SuperNodes and SuperLink with ca.crt, server.pem, server.key from "
                           "deploy/make-certs.sh DIR")
@@ -274,8 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user error (bad value, folder in the way, missing or corrupt data or
+    captures) is one red line ``error: ...`` and exit 2, with nothing written; argparse's own usage
+    errors exit 2 as well."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as err:
+        console.print(f"[bold red]error:[/bold red] {err}", highlight=False, soft_wrap=True)
+        return 2
 
 
 if __name__ == "__main__":

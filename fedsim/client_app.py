@@ -80,7 +80,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     meta.update({"batch-size": plan.schedule.batch_size or len(data), "lr": plan.optimizer.lr,  # type: ignore[arg-type]
                  "local-steps": len(result.steps), "mode": "one-step" if one_step else "train"})
     if one_step:
-        if cfg["label-policy"] == "known":
+        if cfg["labels"] == "known":
             meta["labels"] = [int(v) for v in labels]  # the audit's "labels known" assumption
         if cfg["audit"]:
             content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(images, labels, result.steps[0].masks)})

@@ -1,136 +1,268 @@
-"""The federated run's configuration: one flat dict with Flower-style hyphenated keys.
+"""The federated run's configuration: one schema, one flat dict with Flower-style hyphenated keys.
 
-The same keys live in ``[tool.flwr.app.config]`` of pyproject.toml (for ``flwr run``), and the
-simulation entry point passes them as overrides. The server sends the resolved dict to every client
-in each round's ConfigRecord, so clients never depend on how the run was launched (the legacy
-``run_simulation`` API gives apps an empty run config).
+``SCHEMA`` names every setting once, with its default, type, allowed values (a choice list, a
+range, or a format check) and a short help text. Everything else is derived from it: ``DEFAULTS``,
+the validation in :func:`resolve_config`, and the flags of the ``fedsim`` command line
+(``--`` + the key). The same keys and defaults live in ``[tool.flwr.app.config]`` of pyproject.toml
+for ``flwr run`` (a test keeps the two equal), and the simulation entry point passes them as
+overrides. The server sends the resolved dict to every client in each round's ConfigRecord, so
+clients never depend on how the run was launched (the legacy ``run_simulation`` API gives apps an
+empty run config).
+
+Flower's run config is flat and hyphenated (``num-server-rounds``, ``model-options`` as a JSON
+string); YAML files and Python code use snake_case (``num_server_rounds``, ``model_options`` as a
+dict). :func:`to_run_config` and :func:`from_run_config` are the one mapping between the two.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
-
-DEFAULTS: dict[str, Any] = {
-    # model
-    "model": "mlp",
-    "dataset": "mnist",
-    "p": 0.25,
-    "model-seed": 0,
-    "model-options": "{}",  # JSON object of build_model options
-    # federation
-    "num-clients": 10,
-    "num-server-rounds": 3,
-    "fraction-train": 1.0,
-    "fraction-evaluate": 0.0,  # client-side evaluation off: the server evaluates centrally
-    "partitioning": "iid",  # iid | dirichlet
-    "dirichlet-alpha": 0.5,
-    "seed": 0,
-    # local training
-    "local-epochs": 1,
-    "local-steps": 0,  # > 0: this many batches instead of epochs
-    "batch-size": 64,
-    "lr": 1e-3,
-    "optimizer": "adam",  # adam | sgd
-    "momentum": 0.0,
-    # capture / audit
-    "capture-rounds": "",  # "" none, "all", or "1,3,5"
-    "capture-kind": "gradient",  # gradient: one-step SGD rounds on B victims; update: normal rounds
-    "victim-batch-size": 1,
-    "onestep-lr": 1e-3,  # small: a one-step round should not disturb training
-    "onestep-float64": True,  # send one-step weights in float64 so (global - local)/lr is exact
-    "label-policy": "known",  # known | unknown
-    "audit": False,  # clients also return the oracle (true images, labels, masks)
-    # fault injection (reliability tests and drills): "round:partition,partition" raises in those clients
-    "inject-client-failure": "",
-    # evaluation and output
-    "early-stop-patience": 0,  # 0: off
-    "eval-batch-size": 1000,
-    "run-dir": "runs/fedsim",
-    "data-root": "data",
-    "download": True,
-}
-
-_CHOICES = {
-    "optimizer": ("adam", "sgd"),
-    "partitioning": ("iid", "dirichlet"),
-    "capture-kind": ("gradient", "update"),
-    "label-policy": ("known", "unknown"),
-}
 
 
 class RunConfigError(ValueError):
     """An unknown key or an impossible value in the run configuration."""
 
 
-def _coerce(key: str, value: Any) -> Any:
-    default = DEFAULTS[key]
-    if isinstance(default, bool):
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off", ""):
-                return False
-            raise RunConfigError(f"{key}: expected a boolean, got {value!r}")
-        return bool(value)
+@dataclass(frozen=True)
+class Range:
+    """A numeric range; ``None`` leaves that side open, ``*_open`` excludes the bound itself."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"{'<' if self.high_open else '<='} {self.high:g}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One run config setting. Its type is its default's type (bool, int, float or str)."""
+
+    key: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    range: Range | None = None
+    check: Callable[[Any], None] | None = None  # format check of a str value; raises RunConfigError
+    group: str = ""
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    def describe(self) -> str:
+        """The allowed values in words ("one of a, b", ">= 1", "[0, 1)"); "" when any value of the type is."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        return str(self.range) if self.range is not None else ""
+
+    def coerce(self, value: Any) -> Any:
+        """``value`` (from TOML, YAML, a command line string, a ConfigRecord) as this setting's type."""
+        if self.type is bool:
+            if isinstance(value, str):
+                if value.strip().lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.strip().lower() in ("0", "false", "no", "off", ""):
+                    return False
+                raise RunConfigError(f"{self.key}: expected a boolean, got {value!r}")
+            if isinstance(value, (bool, int)):
+                return bool(value)
+            raise RunConfigError(f"{self.key}: expected a boolean, got {value!r}")
+        try:
+            if self.type is int:
+                if isinstance(value, float) and not value.is_integer():
+                    raise ValueError
+                return int(value)
+            if self.type is float:
+                return float(value)
+        except (TypeError, ValueError):
+            raise RunConfigError(f"{self.key}: expected {'an' if self.type is int else 'a'} "
+                                 f"{self.type.__name__}, got {value!r}") from None
+        return str(value)
+
+    def validate(self, value: Any) -> None:
+        if self.choices is not None and value not in self.choices:
+            raise RunConfigError(f"{self.key} must be one of {', '.join(self.choices)}; got {value!r}")
+        if self.range is not None and value not in self.range:
+            bounded = self.range.low is not None and self.range.high is not None
+            raise RunConfigError(f"{self.key} must be {'in ' if bounded else ''}{self.range}; got {value!r}")
+        if self.check is not None:
+            self.check(value)
+
+
+def _check_model_options(text: str) -> None:
+    _parse_model_options(text)
+
+
+def _parse_model_options(text: str) -> dict[str, Any]:
     try:
-        if isinstance(default, int):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-    except (TypeError, ValueError):
-        raise RunConfigError(f"{key}: expected a {type(default).__name__}, got {value!r}") from None
-    return str(value)
-
-
-def resolve_config(*layers: Mapping[str, Any] | None, strict: bool = True) -> dict[str, Any]:
-    """DEFAULTS overlaid by ``layers`` in order (later wins), coerced to the defaults' types.
-
-    Keys not in DEFAULTS raise in ``strict`` mode and are dropped otherwise (a Flower context or
-    ConfigRecord also carries keys of its own, such as ``server-round``)."""
-    cfg = dict(DEFAULTS)
-    for layer in layers:
-        for key, value in (layer or {}).items():
-            key = key.replace("_", "-")
-            if key not in DEFAULTS:
-                if strict:
-                    raise RunConfigError(f"unknown run config key {key!r}; known: {', '.join(sorted(DEFAULTS))}")
-                continue
-            cfg[key] = _coerce(key, value)
-    for key, choices in _CHOICES.items():
-        if cfg[key] not in choices:
-            raise RunConfigError(f"{key} must be one of {choices}, got {cfg[key]!r}")
-    if not 0.0 <= cfg["p"] < 1.0:
-        raise RunConfigError(f"p must be in [0, 1), got {cfg['p']}")
-    if cfg["num-clients"] < 1 or cfg["num-server-rounds"] < 1:
-        raise RunConfigError("num-clients and num-server-rounds must be >= 1")
-    if cfg["inject-client-failure"] and not re.fullmatch(r"\d+:\d+(,\d+)*", str(cfg["inject-client-failure"])):
-        raise RunConfigError(f"inject-client-failure must look like 'ROUND:PARTITION[,PARTITION...]', got {cfg['inject-client-failure']!r}")
-    model_options(cfg)  # validate the JSON early
-    capture_rounds(cfg)
-    return cfg
-
-
-def model_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        options = json.loads(cfg["model-options"] or "{}")
+        options = json.loads(text or "{}")
     except json.JSONDecodeError:
-        raise RunConfigError(f"model-options must be a JSON object, got {cfg['model-options']!r}") from None
+        raise RunConfigError(f"model-options must be a JSON object, got {text!r}") from None
     if not isinstance(options, dict):
-        raise RunConfigError(f"model-options must be a JSON object, got {cfg['model-options']!r}")
+        raise RunConfigError(f"model-options must be a JSON object, got {text!r}")
     return options
 
 
-def capture_rounds(cfg: Mapping[str, Any]) -> set[int] | str:
-    """The rounds to capture: a set of round numbers, or "all"."""
-    text = str(cfg["capture-rounds"]).strip().lower()
+def _parse_capture_rounds(text: str) -> set[int] | str:
+    text = str(text).strip().lower()
     if text == "all":
         return "all"
     if not text:
         return set()
     try:
-        return {int(part) for part in text.replace(" ", ",").split(",") if part}
+        rounds = {int(part) for part in text.replace(" ", ",").split(",") if part}
     except ValueError:
         raise RunConfigError(f"capture-rounds must be 'all' or round numbers like '1,3', got {text!r}") from None
+    if min(rounds) < 1:
+        raise RunConfigError(f"capture-rounds must be 'all' or round numbers >= 1, got {text!r}")
+    return rounds
+
+
+def _check_capture_rounds(text: str) -> None:
+    _parse_capture_rounds(text)
+
+
+def _check_failure_spec(text: str) -> None:
+    if text and not re.fullmatch(r"\d+:\d+(,\d+)*", text):
+        raise RunConfigError(f"inject-client-failure must look like 'ROUND:PARTITION[,PARTITION...]', got {text!r}")
+
+
+_AT_LEAST_0 = Range(0)
+_AT_LEAST_1 = Range(1)
+_POSITIVE = Range(0, low_open=True)
+_UNIT = Range(0, 1)
+
+SCHEMA: tuple[Setting, ...] = (
+    # model
+    Setting("model", "mlp", "model name (fedsim.models: mlp, vit, vit_b16, lenet, resnet18)", group="model"),
+    Setting("dataset", "mnist", "dataset (mnist, cifar10, imagenet)", group="model"),
+    Setting("p", 0.25, "dropout rate of the model", range=Range(0, 1, high_open=True), group="model"),
+    Setting("model-seed", 0, "seed of the initial global model", group="model"),
+    Setting("model-options", "{}", "JSON object of build_model options, e.g. '{\"width\": 64}'",
+            check=_check_model_options, group="model"),
+    # federation
+    Setting("num-clients", 10, "number of clients (SuperNodes)", range=_AT_LEAST_1, group="federation"),
+    Setting("num-server-rounds", 3, "number of server rounds", range=_AT_LEAST_1, group="federation"),
+    Setting("fraction-train", 1.0, "fraction of the clients sampled for training each round",
+            range=Range(0, 1, low_open=True), group="federation"),
+    Setting("fraction-evaluate", 0.0, "fraction of the clients that evaluate each round (0: the server "
+            "evaluates centrally only)", range=_UNIT, group="federation"),
+    Setting("partitioning", "iid", "how the training split is divided among the clients",
+            choices=("iid", "dirichlet"), group="federation"),
+    Setting("dirichlet-alpha", 0.5, "Dirichlet concentration (small: strong label skew)", range=_POSITIVE,
+            group="federation"),
+    Setting("seed", 0, "seed of the partitions and the clients' local training", group="federation"),
+    # local training
+    Setting("local-epochs", 1, "local epochs per round", range=_AT_LEAST_1, group="local training"),
+    Setting("local-steps", 0, "> 0: this many local batches per round instead of epochs", range=_AT_LEAST_0,
+            group="local training"),
+    Setting("batch-size", 64, "local training batch size", range=_AT_LEAST_1, group="local training"),
+    Setting("lr", 1e-3, "local learning rate", range=_AT_LEAST_0, group="local training"),
+    Setting("optimizer", "adam", "local optimizer", choices=("adam", "sgd"), group="local training"),
+    Setting("momentum", 0.0, "SGD momentum", range=_AT_LEAST_0, group="local training"),
+    # capture / audit
+    Setting("capture-rounds", "", "rounds the curious server captures: '' none, 'all', or '1,3,5'",
+            check=_check_capture_rounds, group="capture"),
+    Setting("capture-kind", "gradient", "gradient: one-step SGD rounds on B victims; update: normal rounds",
+            choices=("gradient", "update"), group="capture"),
+    Setting("victim-batch-size", 1, "B, the victim images of a one-step capture round", range=_AT_LEAST_1,
+            group="capture"),
+    Setting("onestep-lr", 1e-3, "learning rate of a one-step round (small: it should not disturb training)",
+            range=_POSITIVE, group="capture"),
+    Setting("onestep-float64", True, "send one-step weights in float64 so (global - local)/lr is exact",
+            group="capture"),
+    Setting("labels", "known", "known: a one-step reply discloses its labels (the paper's assumption); "
+            "recovered: it does not, and the attacker recovers them from the gradient",
+            choices=("known", "recovered"), group="capture"),
+    Setting("audit", False, "clients also return the oracle (true images, labels, masks); measurements only",
+            group="capture"),
+    # fault injection (reliability tests and drills)
+    Setting("inject-client-failure", "", "'ROUND:PARTITION[,PARTITION...]': those clients raise in that round",
+            check=_check_failure_spec, group="fault injection"),
+    # evaluation and output
+    Setting("early-stop-patience", 0, "rounds without a better test accuracy before stopping; 0: off",
+            range=_AT_LEAST_0, group="output"),
+    Setting("eval-batch-size", 1000, "batch size of the server's test evaluation", range=_AT_LEAST_1,
+            group="output"),
+    Setting("run-dir", "runs/fedsim", "run folder (must be new or empty)", group="output"),
+    Setting("data-root", "data", "dataset folder (downloads go here when the network allows)", group="output"),
+    Setting("download", True, "try to download datasets that are not under data-root", group="output"),
+)
+
+SETTINGS: dict[str, Setting] = {s.key: s for s in SCHEMA}
+DEFAULTS: dict[str, Any] = {s.key: s.default for s in SCHEMA}
+
+# Keys renamed since earlier versions: named in the error, so an old config says what to write now.
+_RENAMED = {"label-policy": "labels (values known | recovered)"}
+
+
+def to_run_config(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
+    """snake_case names (YAML, Python) as Flower run config keys: ``num_server_rounds`` becomes
+    ``num-server-rounds`` and a ``model_options`` dict the JSON string Flower needs. Hyphenated keys
+    pass through, so the function is idempotent."""
+    out: dict[str, Any] = {}
+    for key, value in (mapping or {}).items():
+        key = str(key).replace("_", "-")
+        if key == "model-options" and isinstance(value, Mapping):
+            value = json.dumps(dict(value), sort_keys=True)
+        out[key] = value
+    return out
+
+
+def from_run_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The reverse of :func:`to_run_config`: snake_case keys, ``model_options`` as a dict."""
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if key == "model-options" and isinstance(value, str):
+            value = _parse_model_options(value)
+        out[str(key).replace("-", "_")] = value
+    return out
+
+
+def resolve_config(*layers: Mapping[str, Any] | None, strict: bool = True) -> dict[str, Any]:
+    """DEFAULTS overlaid by ``layers`` in order (later wins), coerced and checked against SCHEMA.
+
+    Layers may use snake_case names (see :func:`to_run_config`). Keys not in the schema raise in
+    ``strict`` mode and are dropped otherwise (a Flower context or ConfigRecord also carries keys of
+    its own, such as ``server-round``)."""
+    cfg = dict(DEFAULTS)
+    for layer in layers:
+        for key, value in to_run_config(layer).items():
+            if key not in SETTINGS:
+                if strict:
+                    if key in _RENAMED:
+                        raise RunConfigError(f"run config key {key!r} is now {_RENAMED[key]}")
+                    raise RunConfigError(f"unknown run config key {key!r}; known: {', '.join(sorted(DEFAULTS))}")
+                continue
+            cfg[key] = SETTINGS[key].coerce(value)
+    for key, value in cfg.items():
+        SETTINGS[key].validate(value)
+    return cfg
+
+
+def model_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``model-options`` JSON string of a run config, as a dict."""
+    return _parse_model_options(cfg["model-options"])
+
+
+def capture_rounds(cfg: Mapping[str, Any]) -> set[int] | str:
+    """The rounds to capture: a set of round numbers, or "all"."""
+    return _parse_capture_rounds(cfg["capture-rounds"])

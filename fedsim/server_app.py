@@ -44,7 +44,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         task.model_spec(cfg),
         capture_rounds=capture_rounds(cfg),
         capture_kind=cfg["capture-kind"],
-        label_policy=cfg["label-policy"],
+        label_policy=cfg["labels"],
         capture_dir=run_dir / "captures",
         oracle_dir=run_dir / "oracle",
         fraction_train=float(cfg["fraction-train"]),

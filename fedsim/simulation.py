@@ -20,7 +20,8 @@ def run_simulation_job(
 ) -> Path:
     """Run one simulated federation and return its run folder (see ``fedsim.server_app``).
 
-    ``config`` uses the run config keys (``fedsim.run_config.DEFAULTS``; ``_`` may replace ``-``).
+    ``config`` uses the run config keys (``fedsim.run_config.SCHEMA``); snake_case names and a
+    ``model_options`` dict work too (``fedsim.run_config.to_run_config``).
     The run folder must be new or empty, so results of different runs never mix."""
     cfg = resolve_config(config)
     run_dir = Path(cfg["run-dir"]).expanduser().resolve()

@@ -32,6 +32,8 @@ class CuriousFedAvg(FedAvg):
     Captures go to ``capture_dir`` and oracle records (audit mode) to ``oracle_dir`` when given,
     and to ``self.captures`` / ``self.oracles`` when ``keep_in_memory``. Setting ``stopped`` makes
     every later round a no-op (early stopping without leaving FedAvg's ``start`` loop).
+    ``label_policy`` is the run config's ``labels`` (known | recovered); each capture records
+    "known" when the client's reply carried its labels, else "recovered".
     """
 
     def __init__(
@@ -49,6 +51,8 @@ class CuriousFedAvg(FedAvg):
         super().__init__(**fedavg_kwargs)
         if capture_kind not in ("gradient", "update"):
             raise ValueError(f"capture_kind must be 'gradient' or 'update', got {capture_kind!r}")
+        if label_policy not in ("known", "recovered"):
+            raise ValueError(f"label_policy must be 'known' or 'recovered', got {label_policy!r}")
         self.spec = spec
         self.capture_rounds: set[int] | str = (
             "all" if capture_rounds == "all" else set(capture_rounds or ())  # type: ignore[arg-type]
@@ -158,13 +162,13 @@ class CuriousFedAvg(FedAvg):
                 for n in self._param_names
             ]
             capture = Capture(kind="gradient", gradient=gradient, labels=labels,
-                              label_policy="known" if labels is not None else "unknown", **common)
+                              label_policy="known" if labels is not None else "recovered", **common)
         else:
             update = {
                 k: (v.double() - local_state[k].double()).to(v.dtype) if v.is_floating_point() else local_state[k]
                 for k, v in global_state.items()
             }
-            capture = Capture(kind="update", update=update, labels=None, label_policy="unknown", **common)
+            capture = Capture(kind="update", update=update, labels=None, label_policy="recovered", **common)
         if self.capture_dir is not None:
             self.capture_paths.append(save_capture(self.capture_dir, capture))
         if self.keep_in_memory:

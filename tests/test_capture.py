@@ -41,7 +41,7 @@ def make_capture(kind: str = "gradient", round_: int = 3, client: int = 1) -> Ca
         batch_size=2,
         num_examples=2,
         lr=0.01,
-        label_policy="known" if kind == "gradient" else "unknown",
+        label_policy="known" if kind == "gradient" else "recovered",
         param_names=names,
         gradient=grads if kind == "gradient" else None,
         update={k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in weights.items()} if kind == "update" else None,
@@ -77,6 +77,8 @@ def test_update_capture_and_oracle_round_trip(tmp_path: Path) -> None:
     path = save_capture(tmp_path / "captures", original)
     loaded = load_capture(path)
     assert loaded.kind == "update" and loaded.gradient is None and loaded.labels is None
+    assert loaded.label_policy == "recovered"
+    assert json.loads((path / "record.json").read_text())["label_policy"] == "recovered"
     assert all(torch.equal(loaded.update[k], v) for k, v in original.update.items())
 
     oracle = OracleRecord(torch.randn(2, 1, 28, 28), torch.tensor([3, 7]),
@@ -199,3 +201,19 @@ def test_reader_rejects_mismatched_model(tmp_path: Path) -> None:
     (path / "record.json").write_text(json.dumps(meta))
     with pytest.raises(CaptureError, match="bad model spec"):
         load_capture(path)
+
+
+def test_captures_stored_with_the_old_label_word_still_load(tmp_path: Path) -> None:
+    """Before the run config said ``labels: known|recovered``, records stored "unknown"."""
+    path = save_capture(tmp_path, make_capture("update"))
+    meta_path = path / "record.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, label_policy="unknown")))
+    assert load_capture(path).label_policy == "recovered"
+    meta_path.write_text(json.dumps(dict(meta, label_policy="guessed")))
+    with pytest.raises(CaptureError, match="unknown label policy 'guessed'"):
+        load_capture(path)
+    bad = make_capture()
+    bad.label_policy = "unknown"  # the old word is read, never written
+    with pytest.raises(CaptureError, match="label policy must be one of"):
+        save_capture(tmp_path / "new", bad)

@@ -186,11 +186,65 @@ def test_server_loop_early_stop_and_round_files(cfg: dict[str, Any], tmp_path: P
 
 
 def test_pyproject_app_config_matches_the_run_config_defaults() -> None:
-    """`flwr run` rejects run-config keys that pyproject's [tool.flwr.app.config] lacks."""
+    """`flwr run` rejects run-config keys that pyproject's [tool.flwr.app.config] lacks, and takes its
+    defaults from there: every key and every value must be the schema's (same type too)."""
     import tomllib
     from pathlib import Path
 
     from fedsim.run_config import DEFAULTS
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    assert set(pyproject["tool"]["flwr"]["app"]["config"]) == set(DEFAULTS)
+    app_config = pyproject["tool"]["flwr"]["app"]["config"]
+    assert set(app_config) == set(DEFAULTS)
+    for key, default in DEFAULTS.items():
+        assert (app_config[key], type(app_config[key])) == (default, type(default)), key
+
+
+def test_run_config_schema_validates_and_maps_snake_case() -> None:
+    from fedsim.run_config import (DEFAULTS, SCHEMA, RunConfigError, from_run_config, resolve_config,
+                                   to_run_config)
+
+    assert [s.key for s in SCHEMA] == list(DEFAULTS) and len(DEFAULTS) == len(SCHEMA)
+    assert all(s.describe() for s in SCHEMA if s.choices or s.range)
+    snake = {"num_server_rounds": 2, "model_options": {"width": 64}, "labels": "recovered", "onestep_float64": False}
+    flat = to_run_config(snake)
+    assert flat == {"num-server-rounds": 2, "model-options": '{"width": 64}', "labels": "recovered",
+                    "onestep-float64": False}
+    assert to_run_config(flat) == flat  # hyphenated keys pass through
+    assert from_run_config(flat) == snake
+    cfg = resolve_config(snake)
+    assert cfg["num-server-rounds"] == 2 and cfg["model-options"] == '{"width": 64}' and cfg["labels"] == "recovered"
+    assert from_run_config(cfg)["model_options"] == {"width": 64}
+    assert resolve_config({"num-clients": "3", "audit": "yes", "lr": 0})["num-clients"] == 3
+    for bad, match in (({"labels": "unknown"}, "labels must be one of known, recovered"),
+                       ({"label-policy": "known"}, "is now labels"),
+                       ({"p": 1.0}, r"p must be in \[0, 1\)"), ({"num-server-rounds": 0}, "must be >= 1"),
+                       ({"onestep-lr": 0}, "must be > 0"), ({"batch-size": 2.5}, "expected an int"),
+                       ({"audit": "maybe"}, "expected a boolean"), ({"capture-rounds": "1,x"}, "capture-rounds"),
+                       ({"model-options": "[1]"}, "JSON object"), ({"colour": "red"}, "unknown run config key")):
+        with pytest.raises(RunConfigError, match=match):
+            resolve_config(bad)
+    assert resolve_config({"colour": "red"}, strict=False) == DEFAULTS
+
+
+def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: Path) -> None:
+    """`attacker` configures root logging; Flower's logger has a handler of its own. A tiny
+    simulation under that configuration prints each Flower line once (it used to print twice)."""
+    import re
+    import subprocess
+    import sys
+
+    config = {"num-clients": 2, "num-server-rounds": 1, "local-steps": 1, "download": False,
+              "data-root": str(tmp_path / "data"), "run-dir": str(tmp_path / "run")}
+    code = ("from attacker.cli import configure_logging; configure_logging(); "
+            f"from fedsim.simulation import run_simulation_job; run_simulation_job({config!r})")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    lines = [re.sub(r"^(DEBUG|INFO|WARNING|ERROR)\s*:\s*", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    assert sum("[ROUND 1/1]" in line for line in lines) == 1, text[-3000:]
+    assert sum("Starting CuriousFedAvg strategy" in line for line in lines) == 1
+    assert [a for a, b in zip(lines, lines[1:]) if a == b] == [], text[-3000:]

@@ -24,7 +24,7 @@ DATASET_SHAPES: dict[str, tuple[int, int, int]] = {
     "imagenet": (3, 224, 1000),
 }
 
-# The paper feeds MNIST to the CNNs as 3-channel images (see the Parameters check).
+# The paper feeds MNIST to the CNNs as 3-channel images (its Parameters check; tests/test_models.py).
 THREE_CHANNEL_MODELS = {"lenet", "resnet18"}
 
 MODEL_OPTIONS: dict[str, set[str]] = {
