@@ -26,7 +26,6 @@ import math
 import os
 import re
 import socket
-import tempfile
 import threading
 import urllib.parse
 import urllib.request
@@ -43,6 +42,8 @@ from torchmetrics.functional.image import (
     peak_signal_noise_ratio,
     structural_similarity_index_measure,
 )
+
+from fedsim.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -216,11 +217,9 @@ def _download(url: str, dest: Path, timeout: float) -> None:
     on a machine without network.
     """
     _resolve_within(urllib.parse.urlsplit(url).hostname or "", timeout)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".partial")
     digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as fh, urllib.request.urlopen(url, timeout=timeout) as resp:
+    with atomic_path(dest, suffix=".partial") as tmp:
+        with open(tmp, "wb") as fh, urllib.request.urlopen(url, timeout=timeout) as resp:
             while chunk := resp.read(1 << 20):
                 fh.write(chunk)
                 digest.update(chunk)
@@ -228,10 +227,6 @@ def _download(url: str, dest: Path, timeout: float) -> None:
         m = re.search(r"-([a-f0-9]+)\.", dest.name)
         if m and not digest.hexdigest().startswith(m.group(1)):
             raise ValueError(f"checksum mismatch for {dest.name}")
-        os.replace(tmp_name, dest)
-    finally:
-        if os.path.exists(tmp_name):
-            os.remove(tmp_name)
 
 
 class LpipsScorer:

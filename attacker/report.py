@@ -7,8 +7,6 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -20,25 +18,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save as save_safetensors  # noqa: E402
 
+from fedsim.atomic import atomic_write  # noqa: E402,F401 - pipeline, story and the experiments write through it
 from fedsim.data import denormalize, get_spec  # noqa: E402
 
 from .inversion import JobResult  # noqa: E402
 from .jobs import Oracle, VictimJob  # noqa: E402
 
 SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "mmd", "trd", "iterations")
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write to a temporary file in the same folder, then rename: no half-written file is ever seen."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _figure_bytes(fig) -> bytes:
