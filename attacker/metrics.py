@@ -25,9 +25,6 @@ import logging
 import math
 import os
 import re
-import socket
-import threading
-import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Sequence
@@ -44,6 +41,7 @@ from torchmetrics.functional.image import (
 )
 
 from fedsim.atomic import atomic_path
+from fedsim.net import probe_url
 
 logger = logging.getLogger(__name__)
 
@@ -190,33 +188,13 @@ def backbone_checkpoint_path(net: str) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / filename
 
 
-def _resolve_within(host: str, timeout: float) -> None:
-    """Resolve ``host`` or raise within ``timeout`` s: socket timeouts do not bound DNS lookups."""
-    result: list[BaseException | None] = []
-
-    def lookup() -> None:
-        try:
-            socket.getaddrinfo(host, 443)
-            result.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            result.append(exc)
-
-    worker = threading.Thread(target=lookup, daemon=True)  # daemon: a stuck lookup cannot block exit
-    worker.start()
-    worker.join(timeout)
-    if not result:
-        raise TimeoutError(f"resolving {host} took longer than {timeout} s")
-    if result[0] is not None:
-        raise result[0]
-
-
 def _download(url: str, dest: Path, timeout: float) -> None:
     """Fetch ``url`` to ``dest`` atomically; ``timeout`` bounds every socket operation.
 
     Our own fetch instead of torch.hub's, because torch.hub's has no timeout and would hang
-    on a machine without network.
+    on a machine without network (the probe first bounds DNS as well).
     """
-    _resolve_within(urllib.parse.urlsplit(url).hostname or "", timeout)
+    probe_url(url, timeout)
     digest = hashlib.sha256()
     with atomic_path(dest, suffix=".partial") as tmp:
         with open(tmp, "wb") as fh, urllib.request.urlopen(url, timeout=timeout) as resp:
