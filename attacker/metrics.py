@@ -12,7 +12,7 @@ PSNR ``+inf`` (MSE is exactly 0); we keep it rather than capping it so that the 
 silently made up, and :func:`summarize` then reports a mean of ``inf`` and a std of ``nan``.
 
 Public API:
-    data_range_paper, denormalize, per_image_mse, image_metrics,
+    data_range_paper, per_image_mse, image_metrics,
     match_reconstructions, LpipsScorer, backbone_checkpoint_path,
     mean_mask_distance, throughput_rate_distance, mask_metrics,
     summarize, score_batch
@@ -41,6 +41,7 @@ from torchmetrics.functional.image import (
 )
 
 from fedsim.atomic import atomic_path
+from fedsim.data import denormalize_stats
 from fedsim.net import probe_url
 
 logger = logging.getLogger(__name__)
@@ -59,20 +60,14 @@ IMAGE_METRICS: tuple[str, ...] = (
 # ---------------------------------------------------------------------------------------------
 
 
-def _channel_tensor(values: Sequence[float], like: Tensor) -> Tensor:
-    # Shape (1, C, 1, 1) so it broadcasts over N x C x H x W; a 1-tuple broadcasts over any C.
-    return torch.as_tensor(tuple(values), dtype=like.dtype, device=like.device).view(1, -1, 1, 1)
-
-
 def data_range_paper(std: Sequence[float]) -> float:
     """Value range of normalized images: (1 - m)/s - (0 - m)/s = 1/s, the widest channel."""
     return float(max(1.0 / s for s in std))
 
 
-def denormalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """Map normalized images back to [0, 1] (clamped, since reconstructions can overshoot)."""
-    x = x.detach().float()
-    return (x * _channel_tensor(std, x) + _channel_tensor(mean, x)).clamp(0.0, 1.0)
+def _to_unit_range(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    """Normalized images back to [0, 1], clamped (reconstructions can overshoot): the standard space."""
+    return denormalize_stats(x.detach().float(), mean, std, clamp=True)
 
 
 def per_image_mse(a: Tensor, b: Tensor) -> Tensor:
@@ -100,7 +95,7 @@ def image_metrics(
     x = originals.detach().float()
     y = recons.detach().float()
     dr = data_range_paper(std)
-    x01, y01 = denormalize(x, mean, std), denormalize(y, mean, std)
+    x01, y01 = _to_unit_range(x, mean, std), _to_unit_range(y, mean, std)
     out: dict[str, Tensor] = {}
     for space, a, b, rng in (("paper", x, y, dr), ("std", x01, y01, 1.0)):
         # A float data_range (not a tuple) means torchmetrics does not clamp the inputs,
@@ -409,7 +404,7 @@ def _score_pairs(
     per_image: dict[str, Tensor | None] = dict(image_metrics(originals, recons, mean, std))
     per_image["lpips"] = None
     if lpips_scorer is not None:
-        per_image["lpips"] = lpips_scorer(denormalize(originals, mean, std), denormalize(recons, mean, std))
+        per_image["lpips"] = lpips_scorer(_to_unit_range(originals, mean, std), _to_unit_range(recons, mean, std))
     return _pack(per_image)
 
 

@@ -111,7 +111,7 @@ def image_grid(jobs: list[VictimJob], oracles: list[Oracle | None], results: lis
                 ax.set_yticks([])
                 if batch is None:
                     continue
-                img = denormalize(batch[b : b + 1].float(), spec)[0].clamp(0, 1).permute(1, 2, 0).numpy()
+                img = denormalize(batch[b : b + 1].float(), spec, clamp=True)[0].permute(1, 2, 0).numpy()
                 ax.imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
             if v == 0:
                 axes[r][0].set_ylabel(row, fontsize=9)
