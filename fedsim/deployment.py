@@ -33,15 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from fedsim.flower_env import FLWR_ENV
 from fedsim.run_config import resolve_config
 
 MARKER_ENV = "FEDSIM_DEPLOYMENT_ID"
 CONNECTION = "fedsim-local"
-FLWR_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-}
 COMPLETED = "finished:completed"
 
 
