@@ -27,11 +27,19 @@ from .jobs import Oracle, VictimJob  # noqa: E402
 SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "mmd", "trd", "iterations")
 
 
-def _figure_bytes(fig) -> bytes:
+def figure_png(fig, *, trim: bool = True) -> bytes:
+    """A matplotlib figure as PNG bytes (110 dpi), closing it; ``trim`` crops the empty margin."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight" if trim else None)
     plt.close(fig)
     return buf.getvalue()
+
+
+def fmt_mean_std(mean: float | None, std: float | None = None, digits: int = 3) -> str:
+    """``mean ± std`` (just ``mean`` without a std), or "–" for a missing or NaN mean."""
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "–"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std is not None else f"{mean:.{digits}f}"
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -71,9 +79,7 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(entry: dict, key: str, digits: int = 3) -> str:
-        if f"{key}_mean" not in entry:
-            return "–"
-        return f"{entry[f'{key}_mean']:.{digits}f} ± {entry[f'{key}_std']:.{digits}f}"
+        return fmt_mean_std(entry.get(f"{key}_mean"), entry.get(f"{key}_std"), digits)
 
     for e in summary:
         lines.append(
@@ -115,7 +121,7 @@ def image_grid(jobs: list[VictimJob], oracles: list[Oracle | None], results: lis
                 ax.imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
             if v == 0:
                 axes[r][0].set_ylabel(row, fontsize=9)
-    return _figure_bytes(fig)
+    return figure_png(fig)
 
 
 def loss_plot(results: list[JobResult]) -> bytes:
@@ -131,7 +137,7 @@ def loss_plot(results: list[JobResult]) -> bytes:
     ax.set_ylabel("reconstruction loss")
     ax.legend()
     ax.grid(alpha=0.3)
-    return _figure_bytes(fig)
+    return figure_png(fig)
 
 
 def write_results(
