@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from fedsim.atomic import atomic_write
 from fedsim.capture import list_captures
 
 from .config import RunConfig
@@ -63,7 +64,7 @@ def watch(
             result["captures"] = [p.name for p in new]
             summaries.append(result)
             attacked.update(p.name for p in new)
-            done_file.write_text(json.dumps(sorted(attacked)))
+            atomic_write(done_file, json.dumps(sorted(attacked)))
             continue
         if finished:
             log(f"federated run finished; {len(attacked)} capture(s) attacked")

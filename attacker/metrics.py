@@ -12,7 +12,7 @@ PSNR ``+inf`` (MSE is exactly 0); we keep it rather than capping it so that the 
 silently made up, and :func:`summarize` then reports a mean of ``inf`` and a std of ``nan``.
 
 Public API:
-    data_range_paper, denormalize, per_image_mse, image_metrics,
+    data_range_paper, per_image_mse, image_metrics,
     match_reconstructions, LpipsScorer, backbone_checkpoint_path,
     mean_mask_distance, throughput_rate_distance, mask_metrics,
     summarize, score_batch
@@ -25,10 +25,6 @@ import logging
 import math
 import os
 import re
-import socket
-import tempfile
-import threading
-import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Sequence
@@ -43,6 +39,10 @@ from torchmetrics.functional.image import (
     peak_signal_noise_ratio,
     structural_similarity_index_measure,
 )
+
+from fedsim.atomic import atomic_path
+from fedsim.data import denormalize_stats
+from fedsim.net import probe_url
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +60,14 @@ IMAGE_METRICS: tuple[str, ...] = (
 # ---------------------------------------------------------------------------------------------
 
 
-def _channel_tensor(values: Sequence[float], like: Tensor) -> Tensor:
-    # Shape (1, C, 1, 1) so it broadcasts over N x C x H x W; a 1-tuple broadcasts over any C.
-    return torch.as_tensor(tuple(values), dtype=like.dtype, device=like.device).view(1, -1, 1, 1)
-
-
 def data_range_paper(std: Sequence[float]) -> float:
     """Value range of normalized images: (1 - m)/s - (0 - m)/s = 1/s, the widest channel."""
     return float(max(1.0 / s for s in std))
 
 
-def denormalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """Map normalized images back to [0, 1] (clamped, since reconstructions can overshoot)."""
-    x = x.detach().float()
-    return (x * _channel_tensor(std, x) + _channel_tensor(mean, x)).clamp(0.0, 1.0)
+def _to_unit_range(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    """Normalized images back to [0, 1], clamped (reconstructions can overshoot): the standard space."""
+    return denormalize_stats(x.detach().float(), mean, std, clamp=True)
 
 
 def per_image_mse(a: Tensor, b: Tensor) -> Tensor:
@@ -101,7 +95,7 @@ def image_metrics(
     x = originals.detach().float()
     y = recons.detach().float()
     dr = data_range_paper(std)
-    x01, y01 = denormalize(x, mean, std), denormalize(y, mean, std)
+    x01, y01 = _to_unit_range(x, mean, std), _to_unit_range(y, mean, std)
     out: dict[str, Tensor] = {}
     for space, a, b, rng in (("paper", x, y, dr), ("std", x01, y01, 1.0)):
         # A float data_range (not a tuple) means torchmetrics does not clamp the inputs,
@@ -189,38 +183,16 @@ def backbone_checkpoint_path(net: str) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / filename
 
 
-def _resolve_within(host: str, timeout: float) -> None:
-    """Resolve ``host`` or raise within ``timeout`` s: socket timeouts do not bound DNS lookups."""
-    result: list[BaseException | None] = []
-
-    def lookup() -> None:
-        try:
-            socket.getaddrinfo(host, 443)
-            result.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            result.append(exc)
-
-    worker = threading.Thread(target=lookup, daemon=True)  # daemon: a stuck lookup cannot block exit
-    worker.start()
-    worker.join(timeout)
-    if not result:
-        raise TimeoutError(f"resolving {host} took longer than {timeout} s")
-    if result[0] is not None:
-        raise result[0]
-
-
 def _download(url: str, dest: Path, timeout: float) -> None:
     """Fetch ``url`` to ``dest`` atomically; ``timeout`` bounds every socket operation.
 
     Our own fetch instead of torch.hub's, because torch.hub's has no timeout and would hang
-    on a machine without network.
+    on a machine without network (the probe first bounds DNS as well).
     """
-    _resolve_within(urllib.parse.urlsplit(url).hostname or "", timeout)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".partial")
+    probe_url(url, timeout)
     digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as fh, urllib.request.urlopen(url, timeout=timeout) as resp:
+    with atomic_path(dest, suffix=".partial") as tmp:
+        with open(tmp, "wb") as fh, urllib.request.urlopen(url, timeout=timeout) as resp:
             while chunk := resp.read(1 << 20):
                 fh.write(chunk)
                 digest.update(chunk)
@@ -228,10 +200,6 @@ def _download(url: str, dest: Path, timeout: float) -> None:
         m = re.search(r"-([a-f0-9]+)\.", dest.name)
         if m and not digest.hexdigest().startswith(m.group(1)):
             raise ValueError(f"checksum mismatch for {dest.name}")
-        os.replace(tmp_name, dest)
-    finally:
-        if os.path.exists(tmp_name):
-            os.remove(tmp_name)
 
 
 class LpipsScorer:
@@ -436,7 +404,7 @@ def _score_pairs(
     per_image: dict[str, Tensor | None] = dict(image_metrics(originals, recons, mean, std))
     per_image["lpips"] = None
     if lpips_scorer is not None:
-        per_image["lpips"] = lpips_scorer(denormalize(originals, mean, std), denormalize(recons, mean, std))
+        per_image["lpips"] = lpips_scorer(_to_unit_range(originals, mean, std), _to_unit_range(recons, mean, std))
     return _pack(per_image)
 
 

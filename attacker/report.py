@@ -7,8 +7,6 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save as save_safetensors  # noqa: E402
 
+from fedsim.atomic import atomic_write  # noqa: E402,F401 - pipeline, story and the experiments write through it
 from fedsim.data import denormalize, get_spec  # noqa: E402
 
 from .inversion import JobResult  # noqa: E402
@@ -28,24 +27,19 @@ from .jobs import Oracle, VictimJob  # noqa: E402
 SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "mmd", "trd", "iterations")
 
 
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write to a temporary file in the same folder, then rename: no half-written file is ever seen."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _figure_bytes(fig) -> bytes:
+def figure_png(fig, *, trim: bool = True) -> bytes:
+    """A matplotlib figure as PNG bytes (110 dpi), closing it; ``trim`` crops the empty margin."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight" if trim else None)
     plt.close(fig)
     return buf.getvalue()
+
+
+def fmt_mean_std(mean: float | None, std: float | None = None, digits: int = 3) -> str:
+    """``mean ± std`` (just ``mean`` without a std), or "–" for a missing or NaN mean."""
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "–"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std is not None else f"{mean:.{digits}f}"
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -85,9 +79,7 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(entry: dict, key: str, digits: int = 3) -> str:
-        if f"{key}_mean" not in entry:
-            return "–"
-        return f"{entry[f'{key}_mean']:.{digits}f} ± {entry[f'{key}_std']:.{digits}f}"
+        return fmt_mean_std(entry.get(f"{key}_mean"), entry.get(f"{key}_std"), digits)
 
     for e in summary:
         lines.append(
@@ -125,11 +117,11 @@ def image_grid(jobs: list[VictimJob], oracles: list[Oracle | None], results: lis
                 ax.set_yticks([])
                 if batch is None:
                     continue
-                img = denormalize(batch[b : b + 1].float(), spec)[0].clamp(0, 1).permute(1, 2, 0).numpy()
+                img = denormalize(batch[b : b + 1].float(), spec, clamp=True)[0].permute(1, 2, 0).numpy()
                 ax.imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
             if v == 0:
                 axes[r][0].set_ylabel(row, fontsize=9)
-    return _figure_bytes(fig)
+    return figure_png(fig)
 
 
 def loss_plot(results: list[JobResult]) -> bytes:
@@ -145,7 +137,7 @@ def loss_plot(results: list[JobResult]) -> bytes:
     ax.set_ylabel("reconstruction loss")
     ax.legend()
     ax.grid(alpha=0.3)
-    return _figure_bytes(fig)
+    return figure_png(fig)
 
 
 def write_results(

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import warnings
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
+
+from fedsim.atomic import atomic_path
 
 from .attacks import AttackConfig
 from .inversion import InversionModule, JobResult
@@ -32,10 +33,8 @@ class EpochCheckpoint(Callback):
         self.path = Path(path)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        trainer.save_checkpoint(tmp)
-        os.replace(tmp, self.path)
+        with atomic_path(self.path) as tmp:
+            trainer.save_checkpoint(tmp)
 
 
 class CheckpointError(ValueError):

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedsim.atomic import atomic_folder
 from fedsim.models import ModelSpec, ModelSpecError, build_model
 
 SCHEMA_VERSION = 1
@@ -111,25 +109,17 @@ def _write_record(directory: Path, name: str, meta: dict[str, Any], tensors: dic
     final = directory / name
     if final.exists():
         raise CaptureError(f"record {final} already exists; refusing to overwrite it")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=directory))
     try:
-        blob = st_save(
-            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-            metadata={"format": meta["format"], "schema_version": str(SCHEMA_VERSION)},
-        )
-        (tmp / TENSOR_FILE).write_bytes(blob)
-        meta = dict(meta, tensors_sha256=hashlib.sha256(blob).hexdigest())
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        for file in (tmp / TENSOR_FILE, tmp / META_FILE):
-            with open(file, "rb") as fh:  # durable before the rename makes the record visible
-                os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except OSError as exc:  # a full disk or lost permission: say so, leave nothing behind
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_folder(final) as tmp:  # files fsynced before the rename makes the record visible
+            blob = st_save(
+                {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                metadata={"format": meta["format"], "schema_version": str(SCHEMA_VERSION)},
+            )
+            (tmp / TENSOR_FILE).write_bytes(blob)
+            meta = dict(meta, tensors_sha256=hashlib.sha256(blob).hexdigest())
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    except OSError as exc:  # a full disk or lost permission: say so (nothing is left behind)
         raise CaptureError(f"could not write record {final}: {exc.strerror or exc}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

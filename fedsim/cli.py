@@ -3,10 +3,9 @@ same app in Flower's deployment engine on loopback (``deploy-local``)."""
 
 from __future__ import annotations
 
-import os
+from fedsim import flower_env
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+flower_env.apply()  # before anything imports flwr
 
 import argparse  # noqa: E402
 import csv  # noqa: E402

@@ -9,10 +9,9 @@ FedAvg allows one ArrayRecord per reply). The server keeps the oracle apart from
 
 from __future__ import annotations
 
-import os
+from fedsim import flower_env
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+flower_env.apply()  # before anything imports flwr
 
 from typing import Any  # noqa: E402
 

@@ -33,15 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from fedsim.run_config import resolve_config
+from fedsim.flower_env import FLWR_ENV
+from fedsim.simulation import new_run_config
 
 MARKER_ENV = "FEDSIM_DEPLOYMENT_ID"
 CONNECTION = "fedsim-local"
-FLWR_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-}
 COMPLETED = "finished:completed"
 
 
@@ -421,12 +417,7 @@ def deploy_local(
 
     ``config`` uses the run config keys (``num-clients`` SuperNodes are started). The run folder
     must be new or empty. Raises :class:`DeploymentError` unless the run finished as completed."""
-    cfg = resolve_config(config)
-    run_dir = Path(cfg["run-dir"]).expanduser().resolve()
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"run folder {run_dir} is not empty; choose a new --run-dir")
-    cfg["run-dir"] = str(run_dir)  # the ServerApp runs in another process and folder
-    cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())
+    cfg, run_dir = new_run_config(config)
     work = Path(work_dir) if work_dir else run_dir / "deployment"  # logs and the private FLWR_HOME
     with LocalDeployment(int(cfg["num-clients"]), work, tls=tls, node_keys=node_keys, echo=echo) as dep:
         result = dep.run(cfg, timeout=timeout)

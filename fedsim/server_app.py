@@ -9,10 +9,9 @@ Per run folder:
 
 from __future__ import annotations
 
-import os
+from fedsim import flower_env
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+flower_env.apply()  # before anything imports flwr
 
 import csv  # noqa: E402
 import json  # noqa: E402
@@ -26,6 +25,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from fedsim import task  # noqa: E402
+from fedsim.atomic import atomic_path, atomic_write  # noqa: E402
 from fedsim.run_config import capture_rounds, resolve_config  # noqa: E402
 from fedsim.strategy import CuriousFedAvg  # noqa: E402
 
@@ -37,7 +37,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     t0 = time.time()
     run_dir = Path(cfg["run-dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dict(cfg), indent=1, sort_keys=True))
+    atomic_write(run_dir / "config.json", json.dumps(dict(cfg), indent=1, sort_keys=True))
     n = int(cfg["num-clients"])
     model = task.make_model(cfg)
     strategy = CuriousFedAvg(
@@ -96,8 +96,9 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         evaluate_fn=evaluate_fn,
     )
     final_state = result.arrays.to_torch_state_dict() if result.arrays is not None else model.state_dict()
-    save_file({k: v.contiguous() for k, v in final_state.items()}, str(run_dir / "final_model.safetensors"),
-              metadata={"spec": json.dumps(task.model_spec(cfg).to_dict())})
+    with atomic_path(run_dir / "final_model.safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in final_state.items()}, str(tmp),
+                  metadata={"spec": json.dumps(task.model_spec(cfg).to_dict())})
     summary = {
         "rounds": rows,
         "final_accuracy": rows[-1]["accuracy"] if rows else None,
@@ -109,9 +110,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         "failures": strategy.failures,
         "wall_s": round(time.time() - t0, 3),
     }
-    tmp = run_dir / ".results.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, run_dir / "results.json")
+    atomic_write(run_dir / "results.json", json.dumps(summary, indent=1))
     return summary
 
 

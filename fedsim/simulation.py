@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-import os
+from fedsim import flower_env
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+flower_env.apply()  # before anything imports flwr
 
 import json  # noqa: E402
+import os  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from fedsim.run_config import resolve_config  # noqa: E402
+
+
+def new_run_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], Path]:
+    """The resolved run config of a new run and its run folder, which must be new or empty (results
+    of different runs never mix). Run and data folders become absolute paths: the server and the
+    clients may run in other processes (Ray workers, deployment processes) and other folders."""
+    cfg = resolve_config(config)
+    run_dir = Path(cfg["run-dir"]).expanduser().resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"run folder {run_dir} is not empty; choose a new --run-dir")
+    cfg["run-dir"] = str(run_dir)
+    cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())
+    return cfg, run_dir
 
 
 def run_simulation_job(
@@ -23,13 +36,7 @@ def run_simulation_job(
     ``config`` uses the run config keys (``fedsim.run_config.SCHEMA``); snake_case names and a
     ``model_options`` dict work too (``fedsim.run_config.to_run_config``).
     The run folder must be new or empty, so results of different runs never mix."""
-    cfg = resolve_config(config)
-    run_dir = Path(cfg["run-dir"]).expanduser().resolve()
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"run folder {run_dir} is not empty; choose a new --run-dir")
-    # Absolute paths: Ray workers need not share the driver's working directory.
-    cfg["run-dir"] = str(run_dir)
-    cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())
+    cfg, run_dir = new_run_config(config)
 
     from flwr.simulation import run_simulation
 

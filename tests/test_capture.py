@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fedsim.capture as capture_mod
+import fedsim.atomic as atomic_mod
 from fedsim.capture import (
     Capture,
     CaptureError,
@@ -106,7 +106,7 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def boom(*args: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(capture_mod.os, "replace", boom)  # fails at the very last step
+    monkeypatch.setattr(atomic_mod.os, "replace", boom)  # fails at the very last step (the rename)
     with pytest.raises(CaptureError, match="could not write record .*disk full"):
         save_capture(tmp_path, make_capture())
     assert list(tmp_path.iterdir()) == []

@@ -92,7 +92,7 @@ def test_normalize_round_trip_and_box(name, channels):
     spec = get_spec(name, channels)
     x = torch.rand(2, *spec.shape[:1], 8, 8)
     z = normalize(x, spec)
-    assert torch.allclose(denormalize(z, spec), x, atol=1e-6)
+    assert torch.allclose(denormalize(z, spec, clamp=False), x, atol=1e-6)
     low, high = box_bounds(spec)
     assert low.shape == high.shape == (spec.channels, 1, 1)
     mean = torch.tensor(spec.mean).view(-1, 1, 1)
@@ -145,15 +145,15 @@ def test_mnist_offline_fallback_real_digits(tmp_path):
     labels_test = dataset_labels(test)
     assert np.bincount(labels_train, minlength=10).tolist() == [400] * 10
     assert np.bincount(labels_test[:1000], minlength=10).tolist() == [100] * 10
-    pixels = denormalize(train.images, spec)
-    assert _on_pixel_grid(pixels) and _on_pixel_grid(denormalize(test.images, spec))
+    pixels = denormalize(train.images, spec, clamp=False)
+    assert _on_pixel_grid(pixels) and _on_pixel_grid(denormalize(test.images, spec, clamp=False))
     assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6
     # Real digits: mostly black background with bright strokes (MNIST mean ~0.13).
     assert 0.08 < pixels.mean().item() < 0.2
     assert (pixels.amax(dim=(1, 2, 3)) > 0.9).all()
     # The two splits of the 5k file are disjoint.
     train_keys = {bytes(r) for r in (pixels * 255).round().to(torch.uint8).flatten(1).numpy()}
-    test_px = (denormalize(test.images[:1000], spec) * 255).round().to(torch.uint8).flatten(1).numpy()
+    test_px = (denormalize(test.images[:1000], spec, clamp=False) * 255).round().to(torch.uint8).flatten(1).numpy()
     assert not any(bytes(r) in train_keys for r in test_px)
 
 
@@ -188,7 +188,7 @@ def test_cifar10_fallback_is_twenty_images(tmp_path, caplog):
     x, y = data[0]
     assert x.shape == (3, 32, 32) and 0 <= y < 10
     assert dataset_labels(data)[:3].tolist() == [3, 8, 8]  # cifar10_00_3, _01_8, _02_8
-    assert _on_pixel_grid(denormalize(data.images, get_spec("cifar10")))
+    assert _on_pixel_grid(denormalize(data.images, get_spec("cifar10"), clamp=False))
     assert any("ONLY 20" in r.getMessage() for r in caplog.records)
 
 
@@ -239,7 +239,7 @@ def test_mnist_from_disk_uses_torchvision(tmp_path, caplog):
     assert len(train) == 12 and len(test) == 7
     assert train[3][0].shape == (1, 28, 28) and train[3][1] == 3
     assert test[0][0].shape == (3, 28, 28)
-    assert _on_pixel_grid(denormalize(train[3][0], get_spec("mnist")))
+    assert _on_pixel_grid(denormalize(train[3][0], get_spec("mnist"), clamp=False))
     assert dataset_labels(train).tolist() == (np.arange(12) % 10).tolist()
     assert not any("OFFLINE FALLBACK" in r.getMessage() for r in caplog.records)
 
@@ -407,4 +407,4 @@ def test_paper_victim_files(fname, shape):
     assert tuple(inputs.shape) == shape and targets.shape == (128,)
     assert targets.min() >= 0 and targets.max() <= 9
     spec = get_spec("mnist" if shape[1] == 1 else "cifar10")
-    assert _on_pixel_grid(denormalize(inputs, spec), tol=2e-3)
+    assert _on_pixel_grid(denormalize(inputs, spec, clamp=False), tol=2e-3)

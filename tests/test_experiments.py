@@ -26,7 +26,7 @@ def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypat
     # The paper victims need not be present: point the lookup at a stand-in file.
     stand_in = tmp_path / "victims.tdump"
     stand_in.write_bytes(b"")
-    monkeypatch.setattr(ex, "_resolve_victim_file", lambda dataset: stand_in if dataset in ex.PAPER_VICTIMS else None)
+    monkeypatch.setattr(ex.spec, "_resolve_victim_file", lambda dataset: stand_in if dataset in ex.PAPER_VICTIMS else None)
     exp = ex.load_experiment(path)
     assert exp.name == path.stem
     settings = ex.Settings(victim_source=source, include_optional=True)
@@ -64,7 +64,7 @@ def test_victims_round_up_to_batches_and_missing_paper_victims(monkeypatch: pyte
     cell = next(c for c in exp.cells if c.B == 16)
     cfg = ex.build_cell_config(exp, cell, ex.Settings(victims=3, victim_source="builtin"))
     assert cfg.victims.count == 16
-    monkeypatch.setattr(ex, "_resolve_victim_file", lambda dataset: None)
+    monkeypatch.setattr(ex.spec, "_resolve_victim_file", lambda dataset: None)
     with pytest.raises(ex.ExperimentError, match="--victim-source builtin"):
         ex.build_cell_config(exp, cell, ex.Settings())
 
@@ -115,7 +115,7 @@ def test_tiny_experiment_runs_reports_and_resumes(tmp_path: Path, monkeypatch: p
             {"final_accuracy": 0.5, "best_accuracy": 0.6, "rounds_run": cfg["num-server-rounds"]}))
         return run_dir
 
-    monkeypatch.setattr(ex, "_run_federation", fake_federation)
+    monkeypatch.setattr(ex.run, "_run_federation", fake_federation)
     out = tmp_path / "out"
     args = ["experiment", str(config), "--victims", "1", "--iterations", "5", "--victim-source", "builtin",
             "--no-lpips", "--quiet", "--out", str(out), "--fl-rounds", "2"]
@@ -158,7 +158,7 @@ def test_tiny_experiment_runs_reports_and_resumes(tmp_path: Path, monkeypatch: p
 def test_report_only_and_no_accuracy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
-    monkeypatch.setattr(ex, "_run_federation", lambda cfg: pytest.fail("--no-accuracy must not train"))
+    monkeypatch.setattr(ex.run, "_run_federation", lambda cfg: pytest.fail("--no-accuracy must not train"))
     out = tmp_path / "out"
     assert main(["experiment", str(config), "--report-only", "--out", str(out), "--victim-source", "builtin"]) == 0
     report = (out / "results.md").read_text()

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from fedsim.capture import list_captures, load_capture
+from fedsim.flower_env import FLWR_ENV
 
-ENV = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", PYTHONWARNINGS="ignore")
+ENV = dict(os.environ, **FLWR_ENV, PYTHONWARNINGS="ignore")
 
 
 def _simulate(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

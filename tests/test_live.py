@@ -8,11 +8,12 @@ from pathlib import Path
 
 from attacker.config import parse_config
 from attacker.live import watch
+from fedsim.flower_env import FLWR_ENV
 
 
 def test_round_one_is_attacked_before_training_ends(tmp_path):
     run_dir = tmp_path / "fed"
-    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, **FLWR_ENV, PYTHONWARNINGS="ignore")
     fed = subprocess.Popen(
         [sys.executable, "-m", "fedsim.cli", "simulate", "--p", "0.25", "--rounds", "8", "--clients", "3",
          "--local-steps", "2", "--capture-rounds", "1", "--audit", "--no-download", "--run-dir", str(run_dir)],

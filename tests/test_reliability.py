@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import attacker.report as report_mod
+import fedsim.atomic as atomic_mod
 import fedsim.capture as capture_mod
 from attacker.config import ConfigError, parse_config
-from attacker.report import atomic_write
+from fedsim.atomic import atomic_write
 from fedsim.capture import CaptureError, list_captures, load_capture, save_capture
 
 from .test_capture import make_capture
@@ -161,7 +161,7 @@ def test_result_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(report_mod.os, "fdopen", lambda fd, mode: Full(real_fdopen(fd, mode)))
+    monkeypatch.setattr(atomic_mod.os, "fdopen", lambda fd, mode: Full(real_fdopen(fd, mode)))
     with pytest.raises(OSError, match="No space left"):
         atomic_write(target, "new")
     monkeypatch.undo()

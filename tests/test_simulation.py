@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
+from fedsim import flower_env
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+flower_env.apply()  # before anything imports flwr
 
 import csv  # noqa: E402
 import json  # noqa: E402

@@ -21,6 +21,7 @@ from .normalization import (
     box_bounds,
     canonical_name,
     denormalize,
+    denormalize_stats,
     get_spec,
     normalize,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "canonical_name",
     "dataset_labels",
     "denormalize",
+    "denormalize_stats",
     "get_spec",
     "load_dataset",
     "load_victim_file",

@@ -15,7 +15,6 @@ import logging
 import re
 import socket
 import threading
-import urllib.request
 from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
+
+from fedsim.net import url_reachable
 
 from .normalization import DatasetSpec, canonical_name, get_spec, normalize
 
@@ -101,28 +102,6 @@ def _announce_once(name: str, split: str, message: str) -> None:
             return
         _ANNOUNCED.add((name, split))
     logger.warning(message)
-
-
-def _url_reachable(url: str, timeout_s: float) -> bool:
-    """HEAD ``url`` with a hard wall-clock limit.
-
-    The probe runs in a daemon thread joined with a deadline because a socket timeout alone does
-    not bound DNS resolution; an abandoned probe thread dies with the process.
-    """
-    result: dict[str, bool] = {}
-
-    def probe() -> None:
-        try:
-            request = urllib.request.Request(url, method="HEAD")
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                result["ok"] = 200 <= getattr(response, "status", 200) < 400
-        except Exception:  # any network failure just means "not reachable"
-            result["ok"] = False
-
-    thread = threading.Thread(target=probe, name="fedsim-download-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return result.get("ok", False)
 
 
 def _download_with_timeout(download: Callable[[], Any], timeout_s: float) -> Any:
@@ -229,7 +208,7 @@ def _try_torchvision(
     probe_url = (
         tvd.MNIST.mirrors[0] + tvd.MNIST.resources[0][0] if canon == "mnist" else tvd.CIFAR10.url
     )
-    if not _url_reachable(probe_url, timeout_s):
+    if not url_reachable(probe_url, timeout_s):
         logger.info("%s: download server %s not reachable within %.0f s", canon, probe_url, timeout_s)
         return None
     try:

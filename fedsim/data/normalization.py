@@ -6,6 +6,7 @@ image of [0,1]), so the exact constants matter: they are the ones from the paper
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,15 +88,15 @@ def get_spec(name: str, channels: int | None = None) -> DatasetSpec:
     return DatasetSpec("imagenet", 3, 224, 1000, IMAGENET_MEAN, IMAGENET_STD)
 
 
-def _stats(
-    spec: DatasetSpec, like: torch.Tensor | None = None
+def _channel_stats(
+    mean: Sequence[float], std: Sequence[float], like: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean/std as (C,1,1) tensors, on the device and in the float dtype of ``like``."""
     dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
     device = like.device if like is not None else None
-    mean = torch.tensor(spec.mean, dtype=dtype, device=device).view(-1, 1, 1)
-    std = torch.tensor(spec.std, dtype=dtype, device=device).view(-1, 1, 1)
-    return mean, std
+    mean_t = torch.tensor(tuple(mean), dtype=dtype, device=device).view(-1, 1, 1)
+    std_t = torch.tensor(tuple(std), dtype=dtype, device=device).view(-1, 1, 1)
+    return mean_t, std_t
 
 
 def _check_channels(x: torch.Tensor, spec: DatasetSpec) -> None:
@@ -109,15 +110,27 @@ def _check_channels(x: torch.Tensor, spec: DatasetSpec) -> None:
 def normalize(x: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
     """Map images in [0,1] (shape (..., C, H, W)) to normalized space."""
     _check_channels(x, spec)
-    mean, std = _stats(spec, x)
+    mean, std = _channel_stats(spec.mean, spec.std, x)
     return (x - mean) / std
 
 
-def denormalize(x: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
-    """Inverse of :func:`normalize`: normalized tensors back to [0,1] pixel space."""
+def denormalize(x: torch.Tensor, spec: DatasetSpec, *, clamp: bool) -> torch.Tensor:
+    """Inverse of :func:`normalize`: normalized tensors back to pixel space.
+
+    ``clamp=True`` clips to [0,1] (for reconstructions, which can overshoot, and for display);
+    ``clamp=False`` is the exact inverse."""
     _check_channels(x, spec)
-    mean, std = _stats(spec, x)
-    return x * std + mean
+    return denormalize_stats(x, spec.mean, spec.std, clamp=clamp)
+
+
+def denormalize_stats(
+    x: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, clamp: bool
+) -> torch.Tensor:
+    """:func:`denormalize` with explicit per-channel ``mean``/``std`` (shape (..., C, H, W); a
+    one-entry mean/std applies to every channel), for callers that hold statistics, not a spec."""
+    mean_t, std_t = _channel_stats(mean, std, x)
+    out = x * std_t + mean_t
+    return out.clamp(0.0, 1.0) if clamp else out
 
 
 def box_bounds(

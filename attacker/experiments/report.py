@@ -1,0 +1,195 @@
+"""An experiment's report: ``OUT/results.csv`` (one row per cell and attack, ours beside the paper's
+values), ``OUT/results.md`` and ``OUT/figures/*.png``, read from the cells' run folders. Shared
+pieces (CSV text, PNG bytes, mean ± std, the per-run summary keys) come from :mod:`attacker.report`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from fedsim.atomic import atomic_write
+
+from ..report import SUMMARY_KEYS, csv_text, figure_png, fmt_mean_std
+from .layout import accuracy_dir, cell_dir, run_state
+from .spec import Cell, Experiment, Settings
+
+# The per-attack summary values each results row carries (mse_paper stays in each cell's own summary).
+SUMMARY_METRICS = tuple(key for key in SUMMARY_KEYS if key != "mse_paper")
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _accuracy(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | None:
+    run_dir = accuracy_dir(out, cell.model, cell.dataset, cell.p, settings)
+    res = _load_json(run_dir / "results.json")
+    if res is None:
+        return None
+    return {"final": 100 * float(res["final_accuracy"]), "best": 100 * float(res["best_accuracy"]),
+            "rounds": int(res.get("rounds_run", settings.fl_rounds))}
+
+
+def collect_rows(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: Path,
+                 settings: Settings) -> list[dict[str, Any]]:
+    """One row per (cell, attack) of every experiment: ours (when run) beside the paper's values."""
+    chosen = {cell.key for _, cell in selected}
+    rows = []
+    for exp in experiments:
+        for cell in exp.cells:
+            run_dir = cell_dir(out, cell)
+            state = run_state(run_dir) if run_dir.exists() else ("not selected" if cell.key not in chosen else "not run")
+            if (run_dir / "failed.txt").is_file() and state != "finished":
+                state = "failed"
+            summary = {e["attack"]: e for e in (_load_json(run_dir / "summary.json") or [])} if state == "finished" else {}
+            metrics = _load_json(run_dir / "metrics.json") or [] if state == "finished" else []
+            acc = _accuracy(out, cell, settings) if exp.accuracy is not None and "accuracy" in cell.paper else None
+            for attack in cell.attacks:
+                e = summary.get(attack, {})
+                row: dict[str, Any] = {
+                    "experiment": exp.name, "cell": cell.id, "model": cell.model, "dataset": cell.dataset,
+                    "p": cell.p, "B": cell.B, "attack": attack,
+                    "lambda_mask": cell.overrides.get("lambda_mask", exp.attack_overrides.get("lambda_mask")),
+                    "mask_init": cell.overrides.get("mask_init", exp.attack_overrides.get("mask_init")),
+                    "overrides": json.dumps({**exp.attack_overrides, **cell.overrides}, sort_keys=True),
+                    "status": state, "victims": e.get("victims"),
+                }
+                for key in SUMMARY_METRICS:
+                    row[f"{key}_mean"] = e.get(f"{key}_mean")
+                    row[f"{key}_std"] = e.get(f"{key}_std")
+                unmatched = [float(m["ssim_paper_unmatched"]) for m in metrics
+                             if m.get("attack") == attack and m.get("ssim_paper_unmatched") is not None]
+                row["ssim_paper_unmatched_mean"] = sum(unmatched) / len(unmatched) if unmatched else None
+                paper = cell.paper.get(attack) or {}
+                row["paper_ssim"] = paper.get("ssim")
+                row["paper_mmd"] = paper.get("mmd")
+                if exp.accuracy is not None:
+                    row["paper_accuracy"] = cell.paper.get("accuracy")
+                    row["accuracy_final"] = acc["final"] if acc else None
+                    row["accuracy_best"] = acc["best"] if acc else None
+                    row["fl_rounds"] = acc["rounds"] if acc else None
+                rows.append(row)
+    return rows
+
+
+def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> bool:
+    import matplotlib.pyplot as plt  # the Agg backend: attacker.report selected it
+
+    metric = fig["metric"]
+    paper_key = {"ssim_paper": "paper_ssim", "mmd": "paper_mmd"}.get(metric)
+    rows = [r for r in rows if r["experiment"] == exp.name and (fig.get("attack") in (None, r["attack"]))]
+    if metric == "mmd":
+        rows = [r for r in rows if r["attack"] in ("dia", "dia_april")]
+    panel_keys = list(fig.get("panel") or [])
+    panels = sorted({tuple(r[k] for k in panel_keys) for r in rows})
+    if not rows or not panels:
+        return False
+    fig_, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    x_key, s_key = fig["x"], fig["series"]
+    for ax, panel in zip(axes[0], panels):
+        prow = [r for r in rows if tuple(r[k] for k in panel_keys) == panel]
+        for i, series in enumerate(sorted({r[s_key] for r in prow}, key=lambda v: (v is None, str(v) if not isinstance(v, (int, float)) else v))):
+            srow = sorted((r for r in prow if r[s_key] == series), key=lambda r: r[x_key])
+            color = f"C{i}"
+            ours = [(r[x_key], r[f"{metric}_mean"], r[f"{metric}_std"]) for r in srow if r.get(f"{metric}_mean") is not None]
+            if ours:
+                xs, ys, es = zip(*ours)
+                ax.errorbar(xs, ys, yerr=es, color=color, marker="o", capsize=3, label=f"{s_key}={series} (ours)")
+            if paper_key:
+                theirs = [(r[x_key], r[paper_key]) for r in srow if r.get(paper_key) is not None]
+                if theirs:
+                    xs, ys = zip(*theirs)
+                    ax.plot(xs, ys, color=color, marker="x", ls="--", alpha=0.7, label=f"{s_key}={series} (paper)")
+        if x_key == "B":
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1, 4, 8, 16])
+            ax.set_xticklabels(["1", "4", "8", "16"])
+        ax.set_xlabel(x_key)
+        ax.set_ylabel({"ssim_paper": "SSIM (paper space)", "mmd": "MMD"}.get(metric, metric))
+        ax.set_title(" / ".join(str(v) for v in panel), fontsize=9)
+        ax.grid(alpha=0.3)
+        if metric == "ssim_paper":
+            ax.set_ylim(-0.05, 1.05)
+    axes[0][-1].legend(fontsize=6, loc="best")
+    fig_.suptitle(f"{exp.title}: {fig['name']}", fontsize=9)
+    fig_.tight_layout()
+    atomic_write(path, figure_png(fig_, trim=False))
+    return True
+
+
+def write_report(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: str | Path,
+                 settings: Settings) -> Path:
+    out = Path(out)
+    rows = collect_rows(experiments, selected, out, settings)
+    atomic_write(out / "results.csv", csv_text(rows))
+    iters = f"{settings.iterations:,}" if settings.iterations else "the configs' (paper: 20,000)"
+    lines = [
+        "# Reproduction of \"Dropout is NOT All You Need to Prevent Gradient Leakage\"\n",
+        f"Victims: {settings.victim_source} ({settings.victims or 'the configs’'} images per cell); iteration cap: "
+        f"{iters}; device: {settings.device}. Updated {time.strftime('%Y-%m-%d %H:%M:%S')}.\n",
+        "**SSIM spaces.** *SSIM (paper space)* is computed on normalized tensors with data_range = 1/std — the space "
+        "the paper's numbers live in, so compare it with the *paper* column. *SSIM [0,1]* is the standard space "
+        "(images mapped back to [0,1], data_range 1); it runs lower. For B > 1 reconstructions are matched to "
+        "originals (Hungarian assignment); `results.csv` also holds the unmatched SSIM. Values are mean ± std over "
+        "victim jobs (the *victims* column: jobs × B; a job's value is the mean over its B images); the paper used 128 victims (Table 4: 10) and up to 20,000 iterations.\n",
+    ]
+    for exp in experiments:
+        erows = [r for r in rows if r["experiment"] == exp.name]
+        lines.append(f"\n## {exp.title}\n")
+        if exp.source:
+            lines.append(f"Paper values: {exp.source}.\n")
+        has_mmd = "mmd" in exp.metrics
+        has_acc = exp.accuracy is not None
+        head = ["cell", "model", "data", "p", "B"]
+        if any(r["lambda_mask"] is not None for r in erows):
+            head.append("λ_mask")
+        if any(r["mask_init"] is not None for r in erows):
+            head.append("mask init")
+        head += ["attack", "victims", "SSIM paper-space (ours)", "SSIM paper", "SSIM [0,1] (ours)"]
+        if has_mmd:
+            head += ["MMD (ours)", "MMD paper"]
+        if has_acc:
+            head += ["acc % final/best (ours)", "acc % paper"]
+        head.append("status")
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in erows:
+            cells = [r["cell"], r["model"], r["dataset"], f"{r['p']:g}", str(r["B"])]
+            if "λ_mask" in head:
+                cells.append("–" if r["lambda_mask"] is None else f"{r['lambda_mask']:g}")
+            if "mask init" in head:
+                cells.append(r["mask_init"] or "–")
+            victims = "–" if not r["victims"] else (f"{r['victims']}×{r['B']}" if r["B"] > 1 else str(r["victims"]))
+            cells += [r["attack"], victims, fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
+                      fmt_mean_std(r["paper_ssim"], digits=2), fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"])]
+            if has_mmd:
+                cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
+            if has_acc:
+                acc = "–" if r.get("accuracy_final") is None else f"{r['accuracy_final']:.2f} / {r['accuracy_best']:.2f} ({r['fl_rounds']} rounds)"
+                cells += [acc, fmt_mean_std(r.get("paper_accuracy"), digits=2)]
+            cells.append(r["status"])
+            lines.append("| " + " | ".join(cells) + " |")
+        if has_acc:
+            paper_rounds = exp.accuracy.get("paper_rounds") if exp.accuracy else None
+            lines.append(f"\nAccuracy: global test accuracy after {settings.fl_rounds} federated rounds "
+                         f"({'run' if settings.accuracy else 'skipped: --no-accuracy'}; the paper trains to convergence, "
+                         f"up to {paper_rounds} rounds), from `accuracy/`.\n")
+        for fig in exp.figures:
+            path = out / "figures" / f"{exp.name}_{fig['name']}.png"
+            if _figure(exp, fig, rows, path):
+                lines.append(f"\n![{exp.name} {fig['name']}](figures/{path.name})\n")
+        shown = [c for c in exp.cells if run_state(cell_dir(out, c)) == "finished"]
+        if shown:
+            lines.append("\n<details><summary>Reconstructions and loss curves per cell</summary>\n")
+            for c in shown:
+                lines.append(f"\n**{c.key}** ({c.label()}) — [report](cells/{c.key}/report.md)\n\n"
+                             f"![grid](cells/{c.key}/grid.png) ![loss](cells/{c.key}/loss_curves.png)\n")
+            lines.append("\n</details>\n")
+    path = out / "results.md"
+    atomic_write(path, "\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,166 @@
+"""Running an experiment: every selected cell as an ``attacker run`` into its own folder (a finished
+cell is skipped, an interrupted one resumes), the federated victims when the cells take them from a
+Flower simulation, and the federations behind Table 1's accuracy column."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from fedsim.atomic import atomic_write
+
+from ..config import RunConfig
+from .layout import accuracy_dir, cell_dir, run_state
+from .report import write_report
+from .spec import Cell, Experiment, ExperimentError, Settings, build_cell_config, select_cells
+
+
+def _config_diff(run_dir: Path, cfg: RunConfig) -> list[str]:
+    """Settings that differ between the run already in ``run_dir`` and ``cfg`` (device aside)."""
+    try:
+        old = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    new = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix: d}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}."))
+        return out
+
+    a, b = flat(old), flat(new)
+    return [f"{k.rstrip('.')}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k != "device." and a.get(k) != b.get(k)]
+
+
+def _run_federation(config: dict[str, Any]) -> Path:
+    """Indirection so tests can stand in for the (slow) Ray simulation."""
+    from fedsim.simulation import run_simulation_job
+
+    return run_simulation_job(config)
+
+
+def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], Any]) -> Path:
+    """The victims of a cell as the paper takes them, through the federated pipeline: one Flower
+    round at the model's random initialization in which each of count/B clients takes one training
+    step on B images of its own partition and the curious server captures the gradients."""
+    v = cfg.victims
+    fed_dir = Path(v.captures or "")
+    if (fed_dir / "results.json").is_file():
+        return fed_dir
+    if fed_dir.exists():
+        shutil.rmtree(fed_dir)  # an interrupted federation: its round is redone from the start
+    clients = v.count // v.batch_size
+    log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.batch_size} image(s), captured")
+    return _run_federation({
+        "model": v.model, "dataset": v.dataset, "p": v.p, "model-options": json.dumps(v.model_options),
+        "model-seed": v.model_seed, "num-clients": clients, "num-server-rounds": 1, "capture-rounds": "1",
+        "victim-batch-size": v.batch_size, "audit": True, "run-dir": str(fed_dir), "data-root": v.data_root,
+        "seed": v.seed,
+    })
+
+
+def accuracy_jobs(selected: list[tuple[Experiment, Cell]]) -> dict[tuple[str, str, float], dict[str, Any]]:
+    jobs: dict[tuple[str, str, float], dict[str, Any]] = {}
+    for exp, cell in selected:
+        if exp.accuracy is not None and "accuracy" in cell.paper:
+            jobs.setdefault((cell.model, cell.dataset, cell.p), dict(exp.accuracy.get("run_config") or {}))
+    return jobs
+
+
+def run_accuracy(out: Path, selected: list[tuple[Experiment, Cell]], settings: Settings,
+                 log: Callable[[str], Any]) -> None:
+    jobs = accuracy_jobs(selected)
+    for n, ((model, dataset, p), base) in enumerate(sorted(jobs.items()), 1):
+        run_dir = accuracy_dir(out, model, dataset, p, settings)
+        if (run_dir / "results.json").is_file():
+            log(f"[dim]accuracy {n}/{len(jobs)} {model}/{dataset} p={p:g}: finished, skipped[/dim]")
+            continue
+        if run_dir.exists():  # an interrupted simulation: Flower cannot resume it, start it again
+            shutil.rmtree(run_dir)
+        config = dict(base, model=model, dataset=dataset, p=p, **{"num-server-rounds": settings.fl_rounds,
+                      "run-dir": str(run_dir), "data-root": settings.data_root, "seed": settings.seed})
+        if settings.fl_local_steps:
+            config["local-steps"] = settings.fl_local_steps
+        if settings.fl_clients:
+            config["num-clients"] = settings.fl_clients
+        log(f"[bold]accuracy {n}/{len(jobs)}[/bold] {model}/{dataset} p={p:g}: federated training, "
+            f"{settings.fl_rounds} rounds (paper: to convergence)")
+        t0 = time.time()
+        try:
+            _run_federation(config)
+        except Exception as err:  # noqa: BLE001 - a failed federation must not cost the attack results
+            log(f"[red]accuracy {model}/{dataset} p={p:g} failed:[/red] {err}")
+            atomic_write(run_dir / "failed.txt", f"{type(err).__name__}: {err}\n")
+            continue
+        log(f"  done in {time.time() - t0:.0f} s")
+
+
+def run_experiments(
+    experiments: list[Experiment],
+    out: str | Path,
+    settings: Settings,
+    log: Callable[[str], Any] = print,
+) -> dict[str, Any]:
+    """Run (or skip) every selected cell, then write the report. Returns counts and the report path."""
+    from ..pipeline import run_attack
+
+    out = Path(out)
+    if settings.victim_source == "federated":
+        settings = replace(settings, federation_dir=str(out / "federations"))
+    selected = select_cells(experiments, settings)
+    if not selected:
+        raise ExperimentError("no cell matches --cells " + " ".join(settings.cells) if settings.cells else
+                              "the experiments hold no cell to run (optional cells need --include-optional)")
+    configs = {cell.key: build_cell_config(exp, cell, settings) for exp, cell in selected}  # validate all first
+    for _, cell in selected:
+        run_dir = cell_dir(out, cell)
+        if run_dir.exists():
+            diff = _config_diff(run_dir, configs[cell.key])
+            if diff:
+                raise ExperimentError(
+                    f"{run_dir} holds a run with other settings ({'; '.join(diff[:3])}); use another --out or "
+                    f"remove that folder")
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {"ran": 0, "skipped": 0, "failed": 0}
+    started = time.time()
+    for n, (_, cell) in enumerate(selected, 1):
+        run_dir = cell_dir(out, cell)
+        head = f"[{n}/{len(selected)}] {cell.key}"
+        if run_state(run_dir) == "finished":
+            counts["skipped"] += 1
+            log(f"[dim]{head}: finished, skipped[/dim]")
+            continue
+        elapsed = time.time() - started
+        ran = counts["ran"]
+        eta = f", about {elapsed / ran * (len(selected) - n + 1) / 60:.0f} min left" if ran else ""
+        resume = " (resuming)" if run_dir.exists() else ""
+        log(f"[bold cyan]{head}[/bold cyan]{resume}: {cell.label()}, {', '.join(cell.attacks)}{eta}")
+        (run_dir / "failed.txt").unlink(missing_ok=True)
+        try:
+            if settings.victim_source == "federated":
+                capture_federation(configs[cell.key], settings, log)
+            run_attack(configs[cell.key], run_dir, progress=settings.progress, log=lambda m: log(f"  {m}"))
+        except KeyboardInterrupt:
+            write_report(experiments, selected, out, settings)
+            raise
+        except Exception as err:  # one failed cell must not cost the others
+            counts["failed"] += 1
+            atomic_write(run_dir / "failed.txt", f"{type(err).__name__}: {err}\n")
+            log(f"[red]{head} failed:[/red] {type(err).__name__}: {err}")
+            continue
+        counts["ran"] += 1
+        write_report(experiments, selected, out, settings)  # the report grows cell by cell
+    if settings.accuracy:
+        run_accuracy(out, selected, settings, log)
+    report = write_report(experiments, selected, out, settings)
+    return {**counts, "cells": len(selected), "report": str(report), "seconds": time.time() - started}

@@ -1,0 +1,229 @@
+"""What an experiment is: the experiment files parsed into cells, the cells a command line selects,
+and each cell's ``attacker run`` config."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, RunConfig, parse_config
+
+PAPER_VICTIMS = {
+    "mnist": "../shared/data/dia-victims/MNIST_128.tdump",
+    "cifar10": "../shared/data/dia-victims/CIFAR10_128.tdump",
+}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENT_KEYS = {"name", "title", "source", "victims", "attack_overrides", "metrics", "accuracy", "figures", "cells"}
+CELL_KEYS = {"id", "model", "dataset", "p", "B", "attacks", "overrides", "model_options", "victims", "optional", "paper"}
+METRICS = {"ssim", "mmd"}  # the paper's per-cell metrics we compare; ssim in the paper's space
+FIGURE_KEYS = {"name", "metric", "x", "series", "panel", "attack"}
+
+
+class ExperimentError(ConfigError):
+    """An experiment file or an output folder the user must fix."""
+
+
+@dataclass
+class Cell:
+    experiment: str
+    id: str
+    model: str
+    dataset: str
+    p: float
+    B: int
+    attacks: list[str]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    model_options: dict[str, Any] = field(default_factory=dict)
+    victims: dict[str, Any] = field(default_factory=dict)
+    optional: bool = False
+    paper: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.experiment}-{self.id}"
+
+    def label(self) -> str:
+        extra = "".join(f", {k}={v}" for k, v in self.overrides.items())
+        return f"{self.model}/{self.dataset} p={self.p:g} B={self.B}{extra}"
+
+
+@dataclass
+class Experiment:
+    name: str
+    title: str
+    source: str
+    victims: dict[str, Any]
+    attack_overrides: dict[str, Any]
+    metrics: list[str]
+    accuracy: dict[str, Any] | None
+    figures: list[dict[str, Any]]
+    cells: list[Cell]
+    path: Path | None = None
+
+
+@dataclass
+class Settings:
+    """What the command line decides on top of the experiment files."""
+
+    victims: int | None = None  # victim images per cell (rounded up to a multiple of B); None: the file's count
+    iterations: int | None = None
+    device: str = "auto"
+    # paper: the paper's victim files; builtin: a client's partition of the dataset; federated: the
+    # curious server's round-1 captures of a Flower simulation (one victim batch per client)
+    victim_source: str = "paper"
+    federation_dir: str = "federations"  # where federated victim sources go (under the output folder)
+    data_root: str = "data"
+    lpips: bool = True
+    cells: list[str] = field(default_factory=list)  # patterns on "<experiment>-<cell>"
+    include_optional: bool = False
+    accuracy: bool = True
+    fl_rounds: int = 3
+    fl_local_steps: int = 0
+    fl_clients: int | None = None
+    progress: bool = True
+    seed: int = 0
+
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ExperimentError(f"{where}: {msg}")
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    path = Path(path)
+    if not path.is_file():
+        raise ExperimentError(f"experiment file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ExperimentError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_experiment(data, path)
+
+
+def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experiment:
+    where = str(path or "experiment")
+    _need(isinstance(data, dict), where, "must be a mapping")
+    unknown = sorted(set(data) - EXPERIMENT_KEYS)
+    _need(not unknown, where, f"unknown key(s) {unknown}; allowed: {sorted(EXPERIMENT_KEYS)}")
+    name = data.get("name") or (path.stem if path else "")
+    _need(isinstance(name, str) and name and "/" not in name, where, "name must be a non-empty string without '/'")
+    metrics = list(data.get("metrics") or ["ssim"])
+    _need(set(metrics) <= METRICS, where, f"metrics must be among {sorted(METRICS)}, got {metrics}")
+    for key in ("victims", "attack_overrides"):
+        _need(isinstance(data.get(key) or {}, dict), where, f"{key} must be a mapping")
+    figures = list(data.get("figures") or [])
+    for fig in figures:
+        _need(isinstance(fig, dict) and {"name", "metric", "x", "series"} <= set(fig) and set(fig) <= FIGURE_KEYS,
+              where, f"each figure needs name, metric, x, series (optional panel, attack); got {fig}")
+    accuracy = data.get("accuracy")
+    _need(accuracy is None or isinstance(accuracy, dict), where, "accuracy must be a mapping")
+    raw_cells = data.get("cells")
+    _need(isinstance(raw_cells, list) and raw_cells, where, "cells must be a non-empty list")
+    cells, seen = [], set()
+    for i, raw in enumerate(raw_cells):
+        cw = f"{where}: cells[{i}]"
+        _need(isinstance(raw, dict), cw, "must be a mapping")
+        unknown = sorted(set(raw) - CELL_KEYS)
+        _need(not unknown, cw, f"unknown key(s) {unknown}; allowed: {sorted(CELL_KEYS)}")
+        for key in ("model", "dataset", "p", "attacks"):
+            _need(key in raw, cw, f"missing {key}")
+        p = raw["p"]
+        _need(isinstance(p, (int, float)) and not isinstance(p, bool), cw, f"p must be a number, got {p!r}")
+        b = raw.get("B", 1)
+        _need(isinstance(b, int) and not isinstance(b, bool) and b > 0, cw, f"B must be a positive integer, got {b!r}")
+        attacks = raw["attacks"]
+        _need(isinstance(attacks, list) and attacks and all(isinstance(a, str) for a in attacks), cw,
+              "attacks must be a non-empty list of attack names")
+        cid = str(raw.get("id") or f"{raw['model']}-{raw['dataset']}-p{p:g}-B{b}")
+        _need(all(c.isalnum() or c in "-_.+" for c in cid), cw, f"id {cid!r} may hold only letters, digits and -_.+")
+        _need(cid not in seen, cw, f"duplicate id {cid!r}")
+        seen.add(cid)
+        paper = raw.get("paper") or {}
+        _need(isinstance(paper, dict), cw, "paper must be a mapping")
+        for key, value in paper.items():
+            if key == "accuracy":
+                _need(value is None or isinstance(value, (int, float)), cw, "paper.accuracy must be a number or null")
+                continue
+            _need(isinstance(value, dict) and set(value) <= METRICS, cw,
+                  f"paper.{key} must map metrics {sorted(METRICS)} to values (null when unknown)")
+        for key in ("overrides", "model_options", "victims"):
+            _need(isinstance(raw.get(key) or {}, dict), cw, f"{key} must be a mapping")
+        cells.append(Cell(name, cid, str(raw["model"]), str(raw["dataset"]), float(p), int(b), list(attacks),
+                          dict(raw.get("overrides") or {}), dict(raw.get("model_options") or {}),
+                          dict(raw.get("victims") or {}), bool(raw.get("optional", False)), dict(paper)))
+    return Experiment(name, str(data.get("title") or name), str(data.get("source") or ""), dict(data.get("victims") or {}),
+                      dict(data.get("attack_overrides") or {}), metrics, accuracy, figures, cells, path)
+
+
+def _resolve_victim_file(dataset: str) -> Path | None:
+    rel = PAPER_VICTIMS.get(dataset)
+    if rel is None:
+        return None
+    for base in (Path.cwd(), REPO_ROOT):
+        candidate = base / rel
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, Any]:
+    """The ``attacker run`` config mapping of one cell under the command line's settings."""
+    victims: dict[str, Any] = {"source": "builtin", "count": 128, "data_root": settings.data_root}
+    victims.update(exp.victims)
+    victims.update(cell.victims)
+    if settings.victim_source == "paper" and "source" not in cell.victims:
+        path = _resolve_victim_file(cell.dataset)
+        if cell.dataset in PAPER_VICTIMS:
+            if path is None:
+                raise ExperimentError(
+                    f"cell {cell.key}: the paper's {cell.dataset} victims ({PAPER_VICTIMS[cell.dataset]}, relative to the "
+                    f"repository root) are not there; use --victim-source builtin")
+            victims["source"], victims["file"] = "file", str(path)
+    elif settings.victim_source == "builtin":
+        victims["source"] = "builtin"
+        victims.pop("file", None)
+    elif settings.victim_source == "federated":
+        victims["source"], victims["captures"] = "captures", str(Path(settings.federation_dir) / cell.key)
+        victims.pop("file", None)
+    count = settings.victims if settings.victims is not None else int(victims.get("count", 128))
+    victims["count"] = max(cell.B, math.ceil(count / cell.B) * cell.B)
+    victims.update(model=cell.model, dataset=cell.dataset, p=cell.p, batch_size=cell.B,
+                   model_options=dict(cell.model_options))
+    overrides = dict(exp.attack_overrides)
+    overrides.update(cell.overrides)
+    if settings.iterations is not None:
+        overrides["max_iterations"] = settings.iterations
+    return {"victims": victims, "attacks": list(cell.attacks), "attack_overrides": overrides,
+            "device": settings.device, "lpips": settings.lpips, "seed": settings.seed}
+
+
+def build_cell_config(exp: Experiment, cell: Cell, settings: Settings) -> RunConfig:
+    try:
+        return parse_config(cell_config(exp, cell, settings))
+    except ExperimentError:
+        raise
+    except ConfigError as err:
+        raise ExperimentError(f"cell {cell.key}: {err}") from None
+
+
+def select_cells(experiments: list[Experiment], settings: Settings) -> list[tuple[Experiment, Cell]]:
+    """The cells to run: those matching --cells, on '<experiment>-<cell>' or '<cell>'. A glob matches as a
+    glob; a plain word matches exactly when some cell has that id, else as a substring. Optional cells
+    run only with --include-optional or when a pattern names them."""
+    ids = {name for exp in experiments for c in exp.cells for name in (c.key, c.id)}
+    patterns = [p if any(ch in p for ch in "*?[") or p in ids else f"*{p}*" for p in settings.cells]
+    chosen = []
+    for exp in experiments:
+        for cell in exp.cells:
+            hit = any(fnmatch.fnmatchcase(cell.key, p) or fnmatch.fnmatchcase(cell.id, p) for p in patterns)
+            if patterns and not hit:
+                continue
+            if cell.optional and not (settings.include_optional or hit):
+                continue
+            chosen.append((exp, cell))
+    return chosen
