@@ -3,6 +3,7 @@
   attacker demo                      the main job: IG (eval), WIIG and DIA on MNIST victims of an MLP, p = 0.25
   attacker run CONFIG.yaml           an attack config (see configs/attacks/)
   attacker run --model vit --dataset cifar10 --p 0.25 --victim-file ../shared/data/dia-victims/CIFAR10_128.tdump
+  attacker watch RUN_DIR             attack a federated run's captures live, as the curious server writes them
   attacker presets                   the attack presets and their defaults
   attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 2000
                                      a paper experiment: every cell, resumable, results.md beside the paper
@@ -26,6 +27,8 @@ from fedsim.capture import CaptureError
 from fedsim.data import DataUnavailableError, VictimFileError
 from fedsim.models import ModelSpecError
 
+from fedsim.run_config import SETTINGS
+
 from .attacks import PRESETS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .live import watch
@@ -36,7 +39,7 @@ from .pipeline import RunDirError, run_attack
 USER_ERRORS = (CaptureError, CheckpointError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
 
 DEMO: dict[str, Any] = {
-    "victims": {"source": "builtin", "model": "mlp", "dataset": "mnist", "p": 0.25, "batch_size": 1, "count": 8},
+    "victims": {"source": "builtin", "model": "mlp", "dataset": "mnist", "p": 0.25, "victim_batch_size": 1, "count": 8},
     "attacks": ["ig_eval", "wiig", "dia"],
     # The paper runs up to 20,000 iterations; the demo caps at 2,000 to finish in minutes on 2 cores
     # (MLP/MNIST: WIIG and DIA are near their final SSIM by then, IG stays where it is).
@@ -51,21 +54,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attacker", description="Gradient inversion attacks (IG, WIIG, DIA, APRIL) on federated gradients.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def shared(p: argparse.ArgumentParser, key: str) -> None:
+        """A setting the attack shares with the federation: name, type, choices and help from the one schema."""
+        setting = SETTINGS[key]
+        p.add_argument(f"--{key}", type=setting.type, choices=setting.choices, help=setting.help)
+
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", help="run folder (default: runs/<command>-<time>)")
-        p.add_argument("--model", help="mlp, vit, lenet, resnet18, vit_b16")
-        p.add_argument("--dataset", help="mnist, cifar10, imagenet")
-        p.add_argument("--p", type=float, help="dropout rate of the attacked model")
-        p.add_argument("--batch-size", type=int, help="victim batch size B")
+        for key in ("model", "dataset", "p", "victim-batch-size", "data-root", "labels"):
+            shared(p, key)
+        p.add_argument("--seed", type=int, help="seed of the dummies, masks and victim sampling of the attack")
         p.add_argument("--victims", type=int, help="number of victim images")
         p.add_argument("--victim-file", help="a victim file (torch.save dict of normalized inputs and targets)")
-        p.add_argument("--data-root", help="dataset folder (downloads go here when the network allows)")
         p.add_argument("--captures", help="a federated run folder: attack its captured gradients")
         p.add_argument("--attacks", nargs="+", help=f"attack presets: {', '.join(PRESETS)}")
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
-        p.add_argument("--labels", choices=["known", "recovered"], help="labels assumed known (paper) or recovered from the gradient")
         p.add_argument("--device", help="auto (GPU when there is one), cpu or gpu")
-        p.add_argument("--seed", type=int)
         p.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -137,7 +141,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
 def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     victims = dict(data.get("victims") or {})
-    for arg, key in (("model", "model"), ("dataset", "dataset"), ("p", "p"), ("batch_size", "batch_size"),
+    for arg, key in (("model", "model"), ("dataset", "dataset"), ("p", "p"), ("victim_batch_size", "victim_batch_size"),
                      ("victims", "count"), ("data_root", "data_root")):
         value = getattr(args, arg)
         if value is not None:

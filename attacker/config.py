@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from fedsim.models import ModelSpec, ModelSpecError
+from fedsim.run_config import DEFAULTS, from_run_config
 from fedsim.models.registry import validate_spec
 
 from .attacks import AttackConfig, AttackConfigError, make_attack
@@ -18,23 +19,28 @@ class ConfigError(ValueError):
     """A configuration the user must fix: the message names the key and the problem."""
 
 
+# The settings an attack config shares with the federation take their names and defaults from the
+# one schema (fedsim.run_config), in its snake_case form.
+_FED = from_run_config(DEFAULTS)
+
+
 @dataclass
 class VictimConfig:
     source: str = "builtin"  # builtin: a client's partition; file: a victim file; captures: a federated run
-    model: str = "mlp"
-    dataset: str = "mnist"
-    p: float = 0.25
-    model_options: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 1
-    count: int = 8  # victim images (count / batch_size jobs per attack)
+    model: str = _FED["model"]
+    dataset: str = _FED["dataset"]
+    p: float = _FED["p"]
+    model_options: dict[str, Any] = field(default_factory=lambda: dict(_FED["model_options"]))
+    victim_batch_size: int = _FED["victim_batch_size"]
+    count: int = 8  # victim images (count / victim_batch_size jobs per attack)
     file: str | None = None
     captures: str | None = None  # a federated run folder (with captures/, and oracle/ when audited)
     max_captures: int = 0  # 0: every gradient capture in the run
-    data_root: str = "data"
-    num_clients: int = 10
+    data_root: str = _FED["data_root"]
+    num_clients: int = _FED["num_clients"]
     client: int = 0
-    seed: int = 0
-    model_seed: int = 0
+    seed: int = _FED["seed"]
+    model_seed: int = _FED["model_seed"]
 
 
 @dataclass
@@ -42,7 +48,7 @@ class RunConfig:
     victims: VictimConfig = field(default_factory=VictimConfig)
     attacks: list[str] = field(default_factory=lambda: ["ig_eval", "wiig", "dia"])
     attack_overrides: dict[str, Any] = field(default_factory=dict)
-    labels: str = "known"  # known (the paper) or recovered (from the gradient)
+    labels: str = _FED["labels"]  # known (the paper) or recovered (from the gradient)
     device: str = "auto"
     seed: int = 0
     lpips: bool = True
@@ -89,7 +95,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     for key, types in (("model", str), ("dataset", str), ("source", str), ("data_root", str)):
         if key in victims:
             _expect(victims[key], types, f"victims.{key}")
-    for key in ("batch_size", "count", "num_clients", "client", "seed", "model_seed", "max_captures"):
+    for key in ("victim_batch_size", "count", "num_clients", "client", "seed", "model_seed", "max_captures"):
         if key in victims:
             _expect(victims[key], int, f"victims.{key}")
     if "p" in victims:
@@ -104,10 +110,10 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError("victims.captures (a federated run folder) is required when victims.source is 'captures'")
     if not 0 <= v.p < 1:
         raise ConfigError(f"victims.p must be in [0, 1), got {v.p}")
-    if v.batch_size <= 0:
-        raise ConfigError(f"victims.batch_size must be positive, got {v.batch_size}")
-    if v.count <= 0 or v.count % v.batch_size:
-        raise ConfigError(f"victims.count must be a positive multiple of batch_size ({v.batch_size}), got {v.count}")
+    if v.victim_batch_size <= 0:
+        raise ConfigError(f"victims.victim_batch_size must be positive, got {v.victim_batch_size}")
+    if v.count <= 0 or v.count % v.victim_batch_size:
+        raise ConfigError(f"victims.count must be a positive multiple of victim_batch_size ({v.victim_batch_size}), got {v.count}")
     if not 0 <= v.client < v.num_clients:
         raise ConfigError(f"victims.client must be in [0, {v.num_clients}), got {v.client}")
     if cfg.labels not in ("known", "recovered"):

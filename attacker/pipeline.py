@@ -45,12 +45,12 @@ def build_victims(cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
             raise ConfigError(f"victim file {v.file} holds {inputs.shape[0]} images, fewer than victims.count={v.count}")
         if int(targets.max()) >= spec.num_classes:
             raise ConfigError(f"victim file {v.file} has labels up to {int(targets.max())}, the model has {spec.num_classes} classes")
-        b = v.batch_size
+        b = v.victim_batch_size
         return [(inputs[i : i + b], targets[i : i + b]) for i in range(0, v.count, b)]
     dataset = load_dataset(v.dataset, v.data_root, train=True, channels=channels)
     parts = partition_iid(len(dataset), v.num_clients, v.seed)
     try:
-        return sample_victims(dataset, parts[v.client], k=v.count, batch_size=v.batch_size, seed=v.seed)
+        return sample_victims(dataset, parts[v.client], k=v.count, batch_size=v.victim_batch_size, seed=v.seed)
     except ValueError as err:
         raise ConfigError(f"cannot sample victims: {err}") from None
 

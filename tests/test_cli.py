@@ -62,13 +62,13 @@ def test_run_on_the_papers_victim_file(tmp_path, capsys):
     [
         (["--p", "1.0"], "p must be in [0, 1)"),
         (["--p", "-0.2"], "p must be in [0, 1)"),
-        (["--batch-size", "0"], "batch_size must be positive"),
+        (["--victim-batch-size", "0"], "victim_batch_size must be positive"),
         (["--model", "transformer"], "unknown model"),
         (["--attacks", "dlg"], "unknown attack"),
         (["--iterations", "0"], "max_iterations must be a positive integer"),
         (["--iterations", "-5"], "max_iterations must be a positive integer"),
         (["--model", "vit_b16"], "224x224"),
-        (["--victims", "3", "--batch-size", "2"], "multiple of batch_size"),
+        (["--victims", "3", "--victim-batch-size", "2"], "multiple of victim_batch_size"),
         (["--victim-file", "/nonexistent/v.tdump"], "does not exist"),
     ],
 )

@@ -35,7 +35,7 @@ def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypat
     for _, cell in selected:
         cfg = ex.build_cell_config(exp, cell, settings)
         assert isinstance(cfg, RunConfig)
-        assert (cfg.victims.model, cfg.victims.dataset, cfg.victims.p, cfg.victims.batch_size) == (
+        assert (cfg.victims.model, cfg.victims.dataset, cfg.victims.p, cfg.victims.victim_batch_size) == (
             cell.model, cell.dataset, cell.p, cell.B)
         assert cfg.victims.count % cell.B == 0
         # every attack a cell runs has the paper's value (null where the paper has none)
@@ -94,9 +94,9 @@ accuracy: {paper_rounds: 300, run_config: {num-clients: 2}}
 figures:
 - {name: ssim, metric: ssim_paper, x: p, series: attack}
 cells:
-- {id: a, model: mlp, dataset: mnist, p: 0.25, B: 1, attacks: [ig_eval, dia], model_options: {width: 32},
+- {id: a, model: mlp, dataset: mnist, p: 0.25, victim_batch_size: 1, attacks: [ig_eval, dia], model_options: {width: 32},
    paper: {accuracy: 98.28, ig_eval: {ssim: 0.79}, dia: {ssim: 1.0, mmd: 0.01}}}
-- {id: b, model: mlp, dataset: mnist, p: 0.5, B: 1, attacks: [dia], model_options: {width: 32},
+- {id: b, model: mlp, dataset: mnist, p: 0.5, victim_batch_size: 1, attacks: [dia], model_options: {width: 32},
    paper: {accuracy: null, dia: {ssim: 0.99, mmd: null}}}
 """
 

@@ -175,7 +175,7 @@ CONFIG_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 50), st.floa
 
 @settings(max_examples=150, deadline=None)
 @given(
-    victims=st.dictionaries(st.sampled_from(["model", "dataset", "p", "batch_size", "count", "source", "client", "num_clients", "colour"]),
+    victims=st.dictionaries(st.sampled_from(["model", "dataset", "p", "victim_batch_size", "count", "source", "client", "num_clients", "colour"]),
                             CONFIG_VALUES, max_size=5),
     top=st.dictionaries(st.sampled_from(["attacks", "labels", "device", "seed", "checkpoint_every", "attack_overrides", "bogus"]),
                         CONFIG_VALUES, max_size=3),
@@ -187,7 +187,7 @@ def test_config_validation_property(victims, top):
     except ConfigError as err:
         assert "\n" not in str(err)
         return
-    assert 0 <= cfg.victims.p < 1 and cfg.victims.batch_size > 0 and cfg.victims.count % cfg.victims.batch_size == 0
+    assert 0 <= cfg.victims.p < 1 and cfg.victims.victim_batch_size > 0 and cfg.victims.count % cfg.victims.victim_batch_size == 0
     cfg.attack_configs()
     cfg.model_spec()
 

@@ -4,7 +4,6 @@ Flower simulation, and the federations behind Table 1's accuracy column."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import replace
@@ -14,6 +13,7 @@ from typing import Any, Callable
 import yaml
 
 from fedsim.atomic import atomic_write
+from fedsim.run_config import to_run_config
 
 from ..config import RunConfig
 from .layout import accuracy_dir, cell_dir, run_state
@@ -59,14 +59,14 @@ def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], 
         return fed_dir
     if fed_dir.exists():
         shutil.rmtree(fed_dir)  # an interrupted federation: its round is redone from the start
-    clients = v.count // v.batch_size
-    log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.batch_size} image(s), captured")
-    return _run_federation({
-        "model": v.model, "dataset": v.dataset, "p": v.p, "model-options": json.dumps(v.model_options),
-        "model-seed": v.model_seed, "num-clients": clients, "num-server-rounds": 1, "capture-rounds": "1",
-        "victim-batch-size": v.batch_size, "audit": True, "run-dir": str(fed_dir), "data-root": v.data_root,
+    clients = v.count // v.victim_batch_size
+    log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.victim_batch_size} image(s), captured")
+    return _run_federation(to_run_config({
+        "model": v.model, "dataset": v.dataset, "p": v.p, "model_options": v.model_options,
+        "model_seed": v.model_seed, "num_clients": clients, "num_server_rounds": 1, "capture_rounds": "1",
+        "victim_batch_size": v.victim_batch_size, "audit": True, "run_dir": str(fed_dir), "data_root": v.data_root,
         "seed": v.seed,
-    })
+    }))
 
 
 def accuracy_jobs(selected: list[tuple[Experiment, Cell]]) -> dict[tuple[str, str, float], dict[str, Any]]:

@@ -19,7 +19,7 @@ PAPER_VICTIMS = {
 }
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT_KEYS = {"name", "title", "source", "victims", "attack_overrides", "metrics", "accuracy", "figures", "cells"}
-CELL_KEYS = {"id", "model", "dataset", "p", "B", "attacks", "overrides", "model_options", "victims", "optional", "paper"}
+CELL_KEYS = {"id", "model", "dataset", "p", "victim_batch_size", "attacks", "overrides", "model_options", "victims", "optional", "paper"}
 METRICS = {"ssim", "mmd"}  # the paper's per-cell metrics we compare; ssim in the paper's space
 FIGURE_KEYS = {"name", "metric", "x", "series", "panel", "attack"}
 
@@ -35,13 +35,18 @@ class Cell:
     model: str
     dataset: str
     p: float
-    B: int
+    victim_batch_size: int
     attacks: list[str]
     overrides: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     victims: dict[str, Any] = field(default_factory=dict)
     optional: bool = False
     paper: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def B(self) -> int:
+        """The paper's symbol for the victim batch size, used in labels and report columns."""
+        return self.victim_batch_size
 
     @property
     def key(self) -> str:
@@ -134,8 +139,9 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
             _need(key in raw, cw, f"missing {key}")
         p = raw["p"]
         _need(isinstance(p, (int, float)) and not isinstance(p, bool), cw, f"p must be a number, got {p!r}")
-        b = raw.get("B", 1)
-        _need(isinstance(b, int) and not isinstance(b, bool) and b > 0, cw, f"B must be a positive integer, got {b!r}")
+        b = raw.get("victim_batch_size", 1)
+        _need(isinstance(b, int) and not isinstance(b, bool) and b > 0, cw,
+              f"victim_batch_size must be a positive integer, got {b!r}")
         attacks = raw["attacks"]
         _need(isinstance(attacks, list) and attacks and all(isinstance(a, str) for a in attacks), cw,
               "attacks must be a non-empty list of attack names")
@@ -192,7 +198,7 @@ def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, An
         victims.pop("file", None)
     count = settings.victims if settings.victims is not None else int(victims.get("count", 128))
     victims["count"] = max(cell.B, math.ceil(count / cell.B) * cell.B)
-    victims.update(model=cell.model, dataset=cell.dataset, p=cell.p, batch_size=cell.B,
+    victims.update(model=cell.model, dataset=cell.dataset, p=cell.p, victim_batch_size=cell.B,
                    model_options=dict(cell.model_options))
     overrides = dict(exp.attack_overrides)
     overrides.update(cell.overrides)
