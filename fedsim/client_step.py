@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from fedsim.defenses import apply_defense
 from fedsim.models import DropoutMode, get_recorded_masks, set_dropout_mode, set_masks
 
-OPTIMIZERS = ("sgd", "adam")
 DROPOUT_BEHAVIOURS = ("sample", "replay", "learn", "off")
 BATCH_ORDERS = ("shuffled", "in-order")
 
@@ -90,8 +89,8 @@ class OptimizerSpec:
 class LocalPlan:
     """A client's local round, as a description."""
 
-    schedule: Schedule = Schedule()
-    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: Schedule = field(default_factory=Schedule)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     dropout: str = "sample"  # sample (and record) | replay | learn | off
     masks: Sequence[Sequence[Tensor]] | None = None  # per step, per dropout layer: for replay and learn
     defense: str = "none"  # a name in fedsim.defenses.DEFENSES, applied to the update that leaves
@@ -160,10 +159,12 @@ def _adam(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
     return step
 
 
+# A new optimizer is one update function and one entry here (the run config's choices follow).
 UPDATES: dict[str, Callable[[OptimizerSpec], Callable[[Tensor, Tensor, dict, int], Tensor]]] = {
-    "sgd": _sgd,
     "adam": _adam,
+    "sgd": _sgd,
 }
+OPTIMIZERS = tuple(UPDATES)
 
 
 # -- the round -------------------------------------------------------------------------------------

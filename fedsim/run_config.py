@@ -22,6 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
+from fedsim.defenses import DEFENSES
+
 
 class RunConfigError(ValueError):
     """An unknown key or an impossible value in the run configuration."""
@@ -176,8 +179,13 @@ SCHEMA: tuple[Setting, ...] = (
             group="local training"),
     Setting("batch-size", 64, "local training batch size", range=_AT_LEAST_1, group="local training"),
     Setting("lr", 1e-3, "local learning rate", range=_AT_LEAST_0, group="local training"),
-    Setting("optimizer", "adam", "local optimizer", choices=("adam", "sgd"), group="local training"),
+    Setting("optimizer", "adam", "local optimizer", choices=OPTIMIZERS, group="local training"),
     Setting("momentum", 0.0, "SGD momentum", range=_AT_LEAST_0, group="local training"),
+    Setting("batch-order", "shuffled", "order of the local batches: a fresh seeded permutation per epoch, or "
+            "the partition's order", choices=BATCH_ORDERS, group="local training"),
+    # defense applied to what leaves the client (fedsim.defenses)
+    Setting("defense", "none", "defense applied to each client's update before it is sent",
+            choices=tuple(DEFENSES), group="defense"),
     # capture / audit
     Setting("capture-rounds", "", "rounds the curious server captures: '' none, 'all', or '1,3,5'",
             check=_check_capture_rounds, group="capture"),

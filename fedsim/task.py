@@ -66,13 +66,13 @@ def local_plan(cfg: Mapping[str, Any], *, one_step: bool, seed: int, record_mask
     or ``local-steps`` batches, with the configured optimizer) or a one-step capture round."""
     if one_step:
         return replace(one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"])),
-                       defense=str(cfg.get("defense", "none")))
+                       defense=str(cfg["defense"]))
     steps = int(cfg["local-steps"])
     schedule = Schedule(epochs=int(cfg["local-epochs"]) if steps <= 0 else 10**9, batch_size=int(cfg["batch-size"]),
-                        max_steps=max(steps, 0), order="shuffled")
+                        max_steps=max(steps, 0), order=str(cfg["batch-order"]))
     optimizer = OptimizerSpec(str(cfg["optimizer"]), float(cfg["lr"]),
                               momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0)
-    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed, defense=str(cfg.get("defense", "none")))
+    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed, defense=str(cfg["defense"]))
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedsim.cli import build_parser, main, run_config_from_args
+from fedsim.flower_env import FLWR_ENV
 from fedsim.run_config import DEFAULTS, SCHEMA
 
 
@@ -168,7 +169,7 @@ def test_captures_of_a_folder_without_captures(used: Path, tmp_path: Path, capsy
 
 def test_console_script_keeps_the_contract(used: Path) -> None:
     """The same through a real process: exit 2, one line on the terminal, no traceback."""
-    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
+    env = dict(os.environ, **FLWR_ENV)
     proc = subprocess.run([sys.executable, "-m", "fedsim.cli", "sweep", "--no-download", "--out", str(used)],
                           capture_output=True, text=True, env=env, timeout=120)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]

@@ -7,6 +7,7 @@ from fedsim import flower_env
 flower_env.apply()  # before anything imports flwr
 
 import csv  # noqa: E402
+import os  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
