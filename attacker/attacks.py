@@ -31,6 +31,7 @@ class AttackConfig:
     plateau_patience: int = 800
     plateau_factor: float = 0.1
     loss_threshold: float = 1e-5
+    replay: bool = True  # update captures: replay the client's local steps; False: Δ/(lr·K) as one gradient (baseline)
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:
@@ -71,6 +72,8 @@ PRESETS: dict[str, AttackConfig] = {
     "dia": AttackConfig("dia", masks="learn"),
     "april": AttackConfig("april", masks="off", distance="euclidean", lambda_pos=1e-4, lambda_mask=0.0),
     "dia_april": AttackConfig("dia_april", masks="learn", distance="euclidean", lambda_pos=1e-4),
+    # FedAvg updates: DIA on Δ/(lr·K) taken as one gradient, the cheap baseline next to the replay
+    "dia_onestep": AttackConfig("dia_onestep", masks="learn", replay=False),
 }
 ALIASES = {"ig": "ig_eval", "dia-april": "dia_april", "ig-eval": "ig_eval", "ig-train": "ig_train"}
 

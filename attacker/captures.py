@@ -1,4 +1,5 @@
-"""Victim jobs from the curious server's captures (the federated path).
+"""Victim jobs from the curious server's captures (the federated path): one-step gradients, and
+updates of whole local rounds (FedAvg) with the round's plan for the replay.
 
 The attacker reads only captures. The oracle folder of an audited simulation run is read for
 WIIG's masks and for scoring, and is handed to nothing else.
@@ -7,11 +8,15 @@ WIIG's masks and for scoring, and is handed to nothing else.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
+from fedsim.client_step import LocalPlan, LocalPlanError
+from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config
+from fedsim.task import local_plan
 
 from .jobs import Oracle, VictimJob, model_from_job
 from .labels import recover_labels
@@ -23,21 +28,41 @@ def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def replay_plan(capture: Capture) -> LocalPlan:
+    """The client's local round as the server sent it (the capture's hyperparameters), read with the
+    same function the client used (``fedsim.task.local_plan``), batches in order (the attacker's
+    known-order assumption). A plan the replay does not know is a CaptureError naming the problem."""
+    sent = capture.hyperparameters
+    missing = [k for k in ("optimizer", "lr", "local-epochs", "batch-size", "local-steps") if k not in sent]
+    if missing:
+        raise CaptureError(f"capture {capture.path}: the update's hyperparameters lack {', '.join(missing)}")
+    try:
+        cfg = resolve_config({k: v for k, v in sent.items() if k in DEFAULTS}, strict=False)
+        plan = local_plan(cfg, one_step=False, seed=0)
+    except (RunConfigError, LocalPlanError) as err:
+        raise CaptureError(f"capture {capture.path}: the replay cannot run this update ({err})") from None
+    plan = replace(plan, schedule=replace(plan.schedule, order="in-order"), record_masks=False)
+    steps = len(plan.schedule.batches(capture.num_examples, 0))
+    if steps != capture.local_steps:
+        raise CaptureError(f"capture {capture.path}: the hyperparameters give {steps} local steps on "
+                           f"{capture.num_examples} images, the client reported {capture.local_steps}")
+    return plan
+
+
 def jobs_from_captures(
     paths: list[Path], run_dir: Path | None = None, label_policy: str = "known"
 ) -> tuple[list[VictimJob], list[Oracle | None], list[str]]:
-    """Load gradient captures as jobs. Captures that share the same global weights (one round)
-    share one weights object, so their jobs run as one batched optimization. Returns the jobs,
-    their oracles (None where the run was not audited) and a note per skipped capture."""
+    """Load captures as jobs: a one-step gradient, or an update with the local round to replay.
+    Captures that share the same global weights (one round) share one weights object, so their jobs
+    run as one optimization. Returns the jobs, their oracles (None where the run was not audited)
+    and a note per skipped capture."""
     jobs: list[VictimJob] = []
     oracles: list[Oracle | None] = []
     skipped: list[str] = []
     weight_sets: list[dict[str, torch.Tensor]] = []
     for path in paths:
         capture: Capture = load_capture(path)
-        if capture.kind != "gradient" or capture.gradient is None:
-            skipped.append(f"{path.name}: a multi-step update, not a one-step gradient (not attacked)")
-            continue
+        plan = replay_plan(capture) if capture.kind == "update" else None
         weights = {k: v.float() if v.is_floating_point() else v for k, v in capture.weights.items()}
         for known in weight_sets:
             if _same_weights(known, weights):
@@ -45,14 +70,20 @@ def jobs_from_captures(
                 break
         else:
             weight_sets.append(weights)
-        gradient = [g.float() for g in capture.gradient]
+        if plan is None:
+            shared = [g.float() for g in capture.gradient]  # type: ignore[union-attr]
+        else:
+            shared = [capture.update[n].float() for n in capture.param_names]  # type: ignore[index]
         job_id = f"r{capture.round:04d}_c{capture.client:03d}"
         meta = {"round": capture.round, "client": capture.client, "capture": str(path)}
+        count = capture.label_count
         if label_policy == "known" and capture.labels is not None:
-            job = VictimJob(job_id, capture.spec, weights, gradient, capture.labels.long(), "known", meta)
+            job = VictimJob(job_id, capture.spec, weights, shared, capture.labels.long(), "known", meta, plan)
         else:
-            job = VictimJob(job_id, capture.spec, weights, gradient, torch.zeros(capture.batch_size, dtype=torch.long), "recovered", meta)
-            job.labels = recover_labels(model_from_job(job), gradient, capture.batch_size)
+            job = VictimJob(job_id, capture.spec, weights, shared, torch.zeros(count, dtype=torch.long), "recovered",
+                            meta, plan)
+            # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
+            job.labels = recover_labels(model_from_job(job), shared, count)
         oracle = None
         if run_dir is not None and (Path(run_dir) / "oracle").is_dir():
             try:

@@ -9,7 +9,11 @@ from typing import Any
 import yaml
 
 from fedsim.models import ModelSpec, ModelSpecError
-from fedsim.run_config import DEFAULTS, from_run_config
+from fedsim.client_step import LocalPlan, LocalPlanError
+from fedsim.run_config import DEFAULTS, RunConfigError, from_run_config, resolve_config, to_run_config
+from fedsim.task import local_plan
+
+LOCAL_ROUND_KEYS = {"local_epochs", "local_steps", "batch_size", "optimizer", "lr", "momentum", "batch_order"}
 from fedsim.models.registry import validate_spec
 
 from .attacks import AttackConfig, AttackConfigError, make_attack
@@ -41,6 +45,10 @@ class VictimConfig:
     client: int = 0
     seed: int = _FED["seed"]
     model_seed: int = _FED["model_seed"]
+    # Offline FedAvg victims: each client runs this local round on its victim_batch_size images and
+    # shares its update (run-config names: local_epochs, local_steps, batch_size, optimizer, lr,
+    # momentum, batch_order). None: one step, a shared gradient (the paper).
+    local_round: dict[str, Any] | None = None
 
 
 @dataclass
@@ -53,6 +61,7 @@ class RunConfig:
     seed: int = 0
     lpips: bool = True
     checkpoint_every: int = 250
+    max_unroll_gb: float = 8.0  # memory for replaying FedAvg updates: groups are sized to fit, larger rounds refused
 
     def attack_configs(self) -> list[AttackConfig]:
         return [make_attack(name, **self.attack_overrides) for name in self.attacks]
@@ -60,6 +69,13 @@ class RunConfig:
     def model_spec(self) -> ModelSpec:
         v = self.victims
         return ModelSpec(v.model, v.dataset, float(v.p), v.model_seed, dict(v.model_options))
+
+    def local_plan(self) -> LocalPlan | None:
+        """The victims' local round as fedsim's client step describes it (the same reader as the client's)."""
+        if self.victims.local_round is None:
+            return None
+        cfg = resolve_config(to_run_config(self.victims.local_round))
+        return local_plan(cfg, one_step=False, seed=self.seed)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +130,18 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"victims.victim_batch_size must be positive, got {v.victim_batch_size}")
     if v.count <= 0 or v.count % v.victim_batch_size:
         raise ConfigError(f"victims.count must be a positive multiple of victim_batch_size ({v.victim_batch_size}), got {v.count}")
+    if v.local_round is not None:
+        if not isinstance(v.local_round, dict):
+            raise ConfigError("victims.local_round must be a mapping of local-training settings")
+        unknown = sorted(set(v.local_round) - LOCAL_ROUND_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown key(s) victims.local_round.{', '.join(unknown)}; allowed: {sorted(LOCAL_ROUND_KEYS)}")
+        if v.source == "captures":
+            raise ConfigError("victims.local_round describes offline victims; captures carry their own round")
+        try:
+            cfg.local_plan()
+        except (RunConfigError, LocalPlanError) as err:
+            raise ConfigError(f"victims.local_round: {err}") from None
     if not 0 <= v.client < v.num_clients:
         raise ConfigError(f"victims.client must be in [0, {v.num_clients}), got {v.client}")
     if cfg.labels not in ("known", "recovered"):
@@ -122,6 +150,9 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"device must be auto, cpu or gpu, got {cfg.device!r}")
     if not isinstance(cfg.attacks, list) or not cfg.attacks:
         raise ConfigError("attacks must be a non-empty list of attack names")
+    _expect(cfg.max_unroll_gb, (int, float), "max_unroll_gb")
+    if not cfg.max_unroll_gb > 0:
+        raise ConfigError(f"max_unroll_gb must be positive, got {cfg.max_unroll_gb}")
     _expect(cfg.checkpoint_every, int, "checkpoint_every")
     if cfg.checkpoint_every <= 0:
         raise ConfigError(f"checkpoint_every must be positive, got {cfg.checkpoint_every}")

@@ -29,6 +29,7 @@ from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
 from .jobs import Oracle, VictimJob, model_from_job
 from .masks import MaskContext, mask_mode
+from .replay import replay_terms
 from .objectives import DISTANCES, TERMS, TermInputs, term_weight
 
 
@@ -77,6 +78,8 @@ class InversionModule(L.LightningModule):
         for job in jobs[1:]:
             if job.spec != first.spec or job.weights is not first.weights or job.batch_size != first.batch_size:
                 raise ValueError("jobs of one module must share model spec, weights and batch size")
+            if job.kind != first.kind or job.steps != first.steps:
+                raise ValueError("jobs of one module must share what they match (gradient or update) and its steps")
         self.automatic_optimization = False
         self.jobs, self.attacks = jobs, attacks
         self.V, self.B = len(jobs), first.batch_size
@@ -84,9 +87,12 @@ class InversionModule(L.LightningModule):
         self.model = model_from_job(first)
         for param in self.model.parameters():
             param.requires_grad_(False)
+        self.plan = first.plan  # an update job: the client's local round, replayed (attacker.replay)
+        self.steps = first.steps  # which of a job's B images each local step uses
         self.ghost: PerJobGradients | None = None
         try:
-            self.ghost = PerJobGradients(self.model)
+            if self.plan is None:
+                self.ghost = PerJobGradients(self.model)
         except UnsupportedModelError:
             if self.V > 1:
                 raise ValueError("this model (BatchNorm) couples the images of a batch: run its jobs one per module") from None
@@ -95,11 +101,13 @@ class InversionModule(L.LightningModule):
         low, high = box_bounds(spec)
         self.register_buffer("box_low", low, persistent=False)
         self.register_buffer("box_high", high, persistent=False)
-        example = torch.zeros(self.B, *first.spec.input_shape)
-        self.mask_shapes = mask_shapes(self.model, example)
+        # Masks per local step and dropout layer, step-major (one step for a gradient job).
+        self.mask_shapes = [shape for batch in self.steps
+                            for shape in mask_shapes(self.model, torch.zeros(len(batch), *first.spec.input_shape))]
+        self.layers_per_step = len(self.mask_shapes) // len(self.steps)
         self.register_buffer("labels", torch.cat([j.labels for j in jobs]), persistent=False)
         for i, param_targets in enumerate(zip(*[j.gradient for j in jobs])):
-            self.register_buffer(f"target_{i}", torch.stack(param_targets), persistent=False)
+            self.register_buffer(f"target_{i}", torch.stack(param_targets).float(), persistent=False)
         self.num_params = len(jobs[0].gradient)
 
         self.images = nn.ParameterList()
@@ -120,7 +128,8 @@ class InversionModule(L.LightningModule):
                 self.mask_slots.append([("random", -1)] * len(self.mask_shapes))
                 continue
             assert mode.init is not None
-            init = mode.init(MaskContext(self.mask_shapes, self.p, attack.mask_init, self.model, job.gradient, oracle, gen))
+            gradient = job.gradient if self.plan is None else None  # an update is no gradient (analytical init)
+            init = mode.init(MaskContext(self.mask_shapes, self.p, attack.mask_init, self.model, gradient, oracle, gen))
             slots = []
             for m in init:
                 if mode.kind == "learn":
@@ -208,14 +217,29 @@ class InversionModule(L.LightningModule):
             self._targets_for = key
         return self.ghost.compute(x, labels, len(active))
 
+    def _replay_terms(self, active: list[int]) -> tuple[MatchTerms, list[Tensor]]:
+        """An update's terms: each job's masks as (step, layer) lists, its round replayed (attacker.replay)."""
+        L = self.layers_per_step
+        masks = {j: [self._mask(j, i) for i in range(len(self.mask_shapes))] for j in active}
+        per_step = [[masks[j][t * L:(t + 1) * L] for t in range(len(self.steps))] for j in active]
+        targets = [[getattr(self, f"target_{i}")[j] for i in range(self.num_params)] for j in active]
+        labels = [self.labels.view(self.V, self.B)[j] for j in active]
+        start = dict(self.model.named_parameters())
+        terms = replay_terms(self.model, start, self.plan, [self.images[j] for j in active], labels, per_step, targets)
+        layers = [torch.cat([masks[j][i] for j in active]) for i in range(len(self.mask_shapes))]
+        return terms, layers
+
     def job_losses(self, active: list[int]) -> tuple[Tensor, Tensor]:
         x = torch.cat([self.images[j] for j in active])
         layers: list[Tensor] = []
-        if self.mask_shapes:
-            layers = [torch.cat([self._mask(j, i) for j in active]) for i in range(len(self.mask_shapes))]
-            set_masks(self.model, layers)
-            set_dropout_mode(self.model, DropoutMode.LEARN)
-        terms = self._terms(x, active)
+        if self.plan is not None:
+            terms, layers = self._replay_terms(active)
+        else:
+            if self.mask_shapes:
+                layers = [torch.cat([self._mask(j, i) for j in active]) for i in range(len(self.mask_shapes))]
+                set_masks(self.model, layers)
+                set_dropout_mode(self.model, DropoutMode.LEARN)
+            terms = self._terms(x, active)
         index = torch.tensor(active, device=x.device)
         chosen = self.distance_index.index_select(0, index)
         loss = DISTANCES[self.distance_names[0]](terms)

@@ -1,19 +1,20 @@
 """Victim jobs (what the server has) and oracles (ground truth), kept apart in the types.
 
 A ``VictimJob`` holds only what an honest-but-curious server sees: the model spec and weights,
-the shared gradient of one local step, the labels (assumed known, or recovered), p and B. The
-client's real images and dropout masks live in an ``Oracle``, which the engine hands only to WIIG
-(replayed masks) and to scoring, never to IG or DIA.
+what the client shared (the gradient of one local step, or the update of a whole local round with
+the round's plan: schedule and optimizer, as the server sent them), the labels (assumed known, or
+recovered), p and B. The client's real images and dropout masks live in an ``Oracle``, which the
+engine hands only to WIIG (replayed masks) and to scoring, never to IG or DIA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from fedsim.client_step import one_step_plan, run_local_round
+from fedsim.client_step import LocalPlan, one_step_plan, run_local_round
 from fedsim.models import ModelSpec, build_model
 
 
@@ -22,10 +23,22 @@ class VictimJob:
     job_id: str
     spec: ModelSpec
     weights: dict[str, Tensor]  # the global weights the server sent (shared between jobs, not copied)
-    gradient: list[Tensor]  # the client's shared gradient, in model.parameters() order
-    labels: Tensor  # (B,)
+    gradient: list[Tensor]  # what the client shared, in model.parameters() order: its gradient, or with a plan its update
+    labels: Tensor  # (B,): for an update, the labels of the client's N images in order
     label_source: str = "known"  # "known" or "recovered"
     meta: dict = field(default_factory=dict)
+    plan: LocalPlan | None = None  # an update job: the client's local round (the attacker replays it)
+
+    @property
+    def kind(self) -> str:
+        return "gradient" if self.plan is None else "update"
+
+    @property
+    def steps(self) -> list[list[int]]:
+        """Which of the job's images each local step used (one step on all of them for a gradient)."""
+        if self.plan is None:
+            return [list(range(self.batch_size))]
+        return self.plan.schedule.batches(self.batch_size, self.plan.seed)
 
     @property
     def batch_size(self) -> int:
@@ -38,10 +51,27 @@ class VictimJob:
 
 @dataclass(frozen=True)
 class Oracle:
-    """Ground truth of one job: the client's images and the dropout masks of its step."""
+    """Ground truth of one job: the client's images and the dropout masks of its steps (step-major,
+    forward order within a step)."""
 
     images: Tensor
     masks: tuple[Tensor, ...]
+
+
+def exact_as_gradient(job: VictimJob) -> bool:
+    """An update that IS one gradient: one plain SGD step on all of the job's images (Δ/lr = g)."""
+    plan = job.plan
+    return plan is not None and len(job.steps) == 1 and plan.optimizer.name == "sgd" and not plan.optimizer.momentum \
+        and plan.defense == "none"
+
+
+def as_one_gradient(job: VictimJob) -> VictimJob:
+    """An update job as the one-step gradient Δ/(lr·K) on all N images: exactly the client's gradient
+    for one plain SGD step (``exact_as_gradient``), and the field's cheap baseline otherwise."""
+    assert job.plan is not None
+    scale = job.plan.optimizer.lr * len(job.steps)
+    gradient = [(d.double() / scale).float() for d in job.gradient]
+    return replace(job, gradient=gradient, plan=None, meta=dict(job.meta, as_gradient=True))
 
 
 def model_from_job(job: VictimJob) -> nn.Module:
@@ -56,17 +86,30 @@ def jobs_from_images(
     *,
     seed: int = 0,
     prefix: str = "victim",
+    plan: LocalPlan | None = None,
 ) -> tuple[list[VictimJob], list[Oracle]]:
-    """Build victim jobs the offline way: every batch is one client step at the model's (seeded)
-    initial weights, as in the paper ("all models are initialized randomly"). The dropout masks
-    are drawn from a generator seeded per batch, so a job is reproducible on its own."""
+    """Build victim jobs the offline way: every batch is one client's data at the model's (seeded)
+    initial weights, as in the paper ("all models are initialized randomly"). Without ``plan`` the
+    client takes one step on it and shares its gradient (the paper); with ``plan`` it runs that local
+    round on it and shares its update. The dropout masks are drawn from a generator seeded per
+    batch, so a job is reproducible on its own."""
     model = build_model(spec)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     jobs, oracles = [], []
+    names = [n for n, _ in model.named_parameters()]
     for i, (images, labels) in enumerate(batches):
-        # The client's round, as in the federation: one plain SGD step on the batch (fedsim's client step).
-        plan = one_step_plan(1.0, seed=seed * 100_003 + i, float64=False, keep_gradients=True)
-        (step,) = run_local_round(model, TensorDataset(images, labels), plan).steps
-        jobs.append(VictimJob(f"{prefix}{i:03d}", spec, weights, step.gradient, labels.clone(), "known", {"index": i}))
-        oracles.append(Oracle(images.clone(), tuple(step.masks)))
+        # The client's round, as in the federation (fedsim's client step).
+        data, job_seed = TensorDataset(images, labels), seed * 100_003 + i
+        if plan is None:  # one plain SGD step on the batch
+            (step,) = run_local_round(model, data, one_step_plan(1.0, seed=job_seed, float64=False,
+                                                                 keep_gradients=True)).steps
+            shared, masks, job_plan = step.gradient, tuple(step.masks), None
+        else:
+            job_plan = replace(plan, seed=job_seed, record_masks=True)
+            result = run_local_round(model, data, job_plan)
+            shared = [result.update[n] for n in names]
+            masks = tuple(m for step in result.steps for m in step.masks)
+        jobs.append(VictimJob(f"{prefix}{i:03d}", spec, weights, shared, labels.clone(), "known", {"index": i},
+                              job_plan))
+        oracles.append(Oracle(images.clone(), masks))
     return jobs, oracles

@@ -64,7 +64,7 @@ class MaskContext:
     p: float
     mask_init: str
     model: nn.Module
-    gradient: list[Tensor]
+    gradient: list[Tensor] | None  # the one-step gradient; None for an update (several steps)
     oracle: Any  # attacker.jobs.Oracle, only for modes with uses_oracle
     generator: torch.Generator
 
@@ -87,6 +87,8 @@ def _oracle(ctx: MaskContext) -> list[Tensor]:
 
 def _learn(ctx: MaskContext) -> list[Tensor]:
     if ctx.mask_init == "analytical":
+        if ctx.gradient is None:
+            raise ValueError("the analytical mask init reads a one-step gradient; an update needs another mask_init")
         return analytical_masks(ctx.model, ctx.gradient, ctx.shapes, ctx.p, ctx.generator)
     return [init_mask(s, ctx.p, ctx.mask_init, ctx.generator) for s in ctx.shapes]
 

@@ -16,9 +16,10 @@ from .attacks import AttackConfig
 from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
 from .inversion import JobResult
-from .jobs import Oracle, VictimJob, jobs_from_images, model_from_job
+from .jobs import Oracle, VictimJob, as_one_gradient, exact_as_gradient, jobs_from_images, model_from_job
 from .labels import recover_labels
 from .metrics import LpipsScorer
+from .replay import unroll_bytes
 from .report import atomic_write, write_results
 from .runner import run_jobs
 from .scoring import score_results
@@ -80,13 +81,28 @@ def load_jobs(
         for note in skipped:
             log(f"skipped {note}")
         if not jobs:
-            raise ConfigError(f"{v.captures} holds no one-step gradient captures to attack")
+            raise ConfigError(f"{v.captures} holds no captures to attack")
         if any(o is None for o in oracles):
             log("no oracle (the run was not audited): WIIG is skipped and only losses are reported")
         return jobs, oracles
     batches = build_victims(cfg)
-    jobs, images_oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed)
+    jobs, images_oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed, plan=cfg.local_plan())
     return apply_label_policy(jobs, cfg.labels), list(images_oracles)
+
+
+def _unroll_cap(jobs: list[VictimJob], limit_gb: float) -> int:
+    """Jobs per optimization so that replayed updates fit in ``limit_gb``; a ConfigError (nothing is
+    written yet) when one job alone does not fit."""
+    updates = [j for j in jobs if j.plan is not None]
+    if not updates:
+        return 512
+    job = max(updates, key=lambda j: len(j.steps) * j.batch_size)
+    per_job = unroll_bytes(model_from_job(job), tuple(job.spec.input_shape), job.steps)
+    limit = limit_gb * 2**30
+    if per_job > limit:
+        raise ConfigError(f"the local round of {len(job.steps)} steps on {job.batch_size} images is too large to unroll: "
+                          f"about {per_job / 2**30:.1f} GB per job, limit {limit_gb:g} GB (max_unroll_gb)")
+    return max(1, int(limit // per_job))
 
 
 def prepare_run_dir(run_dir: Path) -> bool:
@@ -120,6 +136,8 @@ def run_attack(
         log(f"resuming the interrupted run in {run_dir}")
     started = time.time()
     jobs, oracles = load_jobs(cfg, log, only)  # before writing anything: bad input leaves no folder
+    # One plain SGD step on all images IS a gradient: the one-step attack, exactly.
+    jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
     attack_cfgs = cfg.attack_configs()
     all_jobs: list[VictimJob] = []
     all_attacks: list[AttackConfig] = []
@@ -127,6 +145,10 @@ def run_attack(
     scoring_oracles: list[Oracle | None] = []
     for attack in attack_cfgs:
         for job, oracle in zip(jobs, oracles):
+            if job.plan is not None and not attack.replay:  # the baseline: Δ/(lr·K) as one gradient
+                if attack.receives_oracle:
+                    continue  # K steps' true masks do not fit one step
+                job, oracle = as_one_gradient(job), (Oracle(oracle.images, ()) if oracle is not None else None)
             if attack.receives_oracle and oracle is None:
                 continue  # WIIG needs the client's true masks: only audited runs have them
             all_jobs.append(job)
@@ -135,15 +157,21 @@ def run_attack(
             scoring_oracles.append(oracle)
     if not all_jobs:
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
+    group_cap = _unroll_cap(all_jobs, cfg.max_unroll_gb)
     atomic_write(run_dir / "config.yaml", dump_config(cfg))
     atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
     spec = all_jobs[0].spec
-    log(f"{len(all_jobs)} victim jobs: {len(jobs)} victim batches x {len(attack_cfgs)} attacks "
+    what = "victim batches" if jobs[0].plan is None else f"client updates of {len(jobs[0].steps)} local steps"
+    log(f"{len(all_jobs)} victim jobs: {len(jobs)} {what} x {len(attack_cfgs)} attacks "
         f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, B={all_jobs[0].batch_size}")
+    attack_started = time.time()
     results: list[JobResult] = run_jobs(
         all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
-        checkpoint_every=cfg.checkpoint_every, progress=progress,
+        checkpoint_every=cfg.checkpoint_every, progress=progress, max_jobs_per_group=group_cap,
     )
+    iterations = sum(len(r.losses) for r in results)
+    log(f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "
+        f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s")
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
     rows = score_results(all_jobs, scoring_oracles, results, lpips)
     summary = write_results(run_dir, all_jobs, scoring_oracles, results, rows,

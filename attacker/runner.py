@@ -55,10 +55,12 @@ def _check_checkpoint(path: Path) -> None:
 
 
 def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
-    """Jobs sharing model spec, weights object and batch size run as one batched optimization."""
+    """Jobs sharing model spec, weights object, batch size and what they match (a gradient, or an
+    update of the same local steps) run as one optimization."""
     groups: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
-        key = (json.dumps(job.spec.to_dict(), sort_keys=True), id(job.weights), job.batch_size)
+        key = (json.dumps(job.spec.to_dict(), sort_keys=True), id(job.weights), job.batch_size, job.kind,
+               json.dumps(job.steps))
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 

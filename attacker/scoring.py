@@ -46,7 +46,7 @@ def score_results(
             if scored.get("unmatched_metrics"):
                 row["ssim_paper_unmatched"] = scored["unmatched_metrics"]["ssim_paper"]["mean"]
                 row["ssim_std_unmatched"] = scored["unmatched_metrics"]["ssim_std"]["mean"]
-            if res.masks is not None:
+            if res.masks is not None and len(res.masks) == len(oracle.masks):
                 row.update(mask_metrics(res.masks, list(oracle.masks), job.p))
         rows.append(row)
     return rows

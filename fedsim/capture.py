@@ -68,7 +68,13 @@ class Capture:
     update: dict[str, torch.Tensor] | None = None
     labels: torch.Tensor | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)
+    local_steps: int = 1  # K, the local steps behind an update (as the client reported it)
     path: Path | None = None
+
+    @property
+    def label_count(self) -> int:
+        """Labels a capture holds: one per image of the step (gradient) or of the local round (update)."""
+        return self.batch_size if self.kind == "gradient" else self.num_examples
 
     @property
     def p(self) -> float:
@@ -83,15 +89,16 @@ class Capture:
 
 @dataclass
 class OracleRecord:
-    """Ground truth of one client's one-step round: for scoring and WIIG only, never for IG/DIA."""
+    """Ground truth of one client's captured round: for scoring and WIIG only, never for IG/DIA."""
 
     images: torch.Tensor
     labels: torch.Tensor
-    masks: list[torch.Tensor]  # in ``dropout_layers`` (forward) order
+    masks: list[torch.Tensor]  # every local step's masks, step-major, ``dropout_layers`` (forward) order within
     round: int
     client: int
     node_id: int
     path: Path | None = None
+    batches: list[list[int]] | None = None  # which images each local step used (None: one step on all)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +165,7 @@ def save_capture(directory: str | Path, capture: Capture) -> Path:
         "param_names": list(capture.param_names),
         "weight_names": list(capture.weights),
         "hyperparameters": _jsonable(capture.hyperparameters),
+        "local_steps": int(capture.local_steps),
     }
     return _write_record(Path(directory), record_name(capture.round, capture.client, capture.node_id), meta, tensors)
 
@@ -173,6 +181,7 @@ def save_oracle(directory: str | Path, oracle: OracleRecord) -> Path:
         "client": int(oracle.client),
         "node_id": int(oracle.node_id),
         "num_masks": len(oracle.masks),
+        "batches": oracle.batches,
     }
     return _write_record(Path(directory), record_name(oracle.round, oracle.client, oracle.node_id), meta, tensors)
 
@@ -263,8 +272,9 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             raise CaptureError(f"capture {path}: unknown label policy {label_policy!r}")
         if label_policy == "known" and labels is None:
             raise CaptureError(f"capture {path}: label policy 'known' but no labels stored")
-        if labels is not None and labels.shape != (int(meta["batch_size"]),):
-            raise CaptureError(f"capture {path}: {labels.shape[0]} labels for batch size {meta['batch_size']}")
+        expected = int(meta["batch_size"]) if kind == "gradient" else int(meta["num_examples"])
+        if labels is not None and labels.shape != (expected,):
+            raise CaptureError(f"capture {path}: {labels.shape[0]} labels for {expected} images")
         capture = Capture(
             spec=spec,
             weights=weights,
@@ -281,6 +291,7 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             update=update,
             labels=labels,
             hyperparameters=dict(meta.get("hyperparameters", {})),
+            local_steps=int(meta.get("local_steps", 1)),
             path=path,
         )
     except KeyError as exc:
@@ -326,6 +337,7 @@ def load_oracle(path: str | Path) -> OracleRecord:
             client=int(meta["client"]),
             node_id=int(meta["node_id"]),
             path=path,
+            batches=meta.get("batches"),
         )
     except KeyError as exc:
         raise CaptureError(f"oracle record {path}: missing {exc.args[0]!r}") from None

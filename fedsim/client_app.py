@@ -13,16 +13,17 @@ from fedsim import flower_env
 
 flower_env.apply()  # before anything imports flwr
 
+import json  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
-from torch.utils.data import Dataset, Subset, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset  # noqa: E402
 
 from fedsim import task  # noqa: E402
-from fedsim.client_step import run_local_round  # noqa: E402
+from fedsim.client_step import StepRecord, run_local_round  # noqa: E402
 from fedsim.run_config import resolve_config  # noqa: E402
 
 app = ClientApp()
@@ -38,11 +39,14 @@ def _partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def oracle_bytes(images: torch.Tensor, labels: torch.Tensor, masks: list[torch.Tensor]) -> bytes:
-    """Serialize the ground truth of a one-step round (safetensors: no pickle on the wire either)."""
+def oracle_bytes(images: torch.Tensor, labels: torch.Tensor, steps: list[StepRecord]) -> bytes:
+    """Serialize the ground truth of a captured round (safetensors: no pickle on the wire either):
+    the images, their labels, every step's masks (step-major) and which images each step used."""
+    masks = [m for step in steps for m in step.masks]
     tensors = {"images": images.contiguous(), "labels": labels.to(torch.int64).contiguous()}
     tensors.update({f"masks/{i}": m.contiguous() for i, m in enumerate(masks)})
-    return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(masks))})
+    batches = json.dumps([step.indices for step in steps])
+    return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(masks)), "batches": batches})
 
 
 def _maybe_fail(spec: str, server_round: int, partition_id: int) -> None:
@@ -58,7 +62,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     cfg = _config(msg, context)
     partition_id, num_partitions = _partition(context)
     server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
-    one_step = bool(msg.content["config"].get("one-step", False)) if "config" in msg.content else False
+    sent = msg.content["config"] if "config" in msg.content else ConfigRecord()
+    one_step = bool(sent.get("one-step", False))
+    capture_update = bool(sent.get("capture-update", False))
     _maybe_fail(str(cfg.get("inject-client-failure", "")), server_round, partition_id)
     model = task.make_model(cfg, msg.content["arrays"].to_torch_state_dict())
     train = task.load_split(cfg, train=True)
@@ -66,23 +72,29 @@ def handle_train(msg: Message, context: Context) -> Message:
     seed = hash((int(cfg["seed"]), server_round, partition_id)) & 0x7FFFFFFF
     meta = ConfigRecord({"partition-id": partition_id, "server-round": server_round})
     content = RecordDict()
-    # One client step for both kinds of round; a one-step capture round is one setting of it.
-    plan = task.local_plan(cfg, one_step=one_step, seed=seed, record_masks=one_step and bool(cfg["audit"]))
-    if one_step:
-        images, labels = task.victim_batch(cfg, train, indices, server_round, partition_id)
+    # One client step for every kind of round; a one-step capture round is one setting of it.
+    captured = one_step or capture_update
+    plan = task.local_plan(cfg, one_step=one_step, seed=seed, record_masks=captured and bool(cfg["audit"]))
+    images = labels = None
+    if one_step or (capture_update and int(cfg["capture-images"]) > 0):  # a victim set: small enough to reconstruct
+        count = None if one_step else int(cfg["capture-images"])
+        images, labels = task.victim_batch(cfg, train, indices, server_round, partition_id, count)
         data: Dataset = TensorDataset(images, labels)
     else:
         data = Subset(train, indices.tolist())
     result = run_local_round(model, data, plan)
     arrays = ArrayRecord(result.weights)
     metrics = MetricRecord({"num-examples": len(data), "train-loss": result.mean_loss})  # type: ignore[arg-type]
+    mode = "one-step" if one_step else "update" if capture_update else "train"
     meta.update({"batch-size": plan.schedule.batch_size or len(data), "lr": plan.optimizer.lr,  # type: ignore[arg-type]
-                 "local-steps": len(result.steps), "mode": "one-step" if one_step else "train"})
-    if one_step:
+                 "local-steps": len(result.steps), "mode": mode})
+    if captured:
+        if images is None:  # the whole partition was the local set
+            images, labels = next(iter(DataLoader(data, batch_size=len(data))))  # type: ignore[arg-type]
         if cfg["labels"] == "known":
             meta["labels"] = [int(v) for v in labels]  # the audit's "labels known" assumption
         if cfg["audit"]:
-            content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(images, labels, result.steps[0].masks)})
+            content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(images, labels, result.steps)})
     content["arrays"] = arrays
     content["metrics"] = metrics
     content["meta"] = meta

@@ -131,7 +131,7 @@ class LocalResult:
 # -- optimizer updates (torch.optim's single-tensor arithmetic, out of place) -------------------------
 
 
-def _sgd(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
+def _sgd(spec: OptimizerSpec, differentiable: bool = False) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
     def step(param: Tensor, grad: Tensor, state: dict, t: int) -> Tensor:
         if spec.momentum:
             buf = state.get("momentum_buffer")
@@ -143,8 +143,12 @@ def _sgd(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
     return step
 
 
-def _adam(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
+def _adam(spec: OptimizerSpec, differentiable: bool = False) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
     beta1, beta2 = spec.betas
+    # In a replay, a weight whose gradient was exactly 0 so far (a dropped neuron) has v = 0, and the
+    # derivative of sqrt at 0 is infinite: the backward pass would turn NaN. The clamp changes no value
+    # there (m = 0 too, so the weight does not move) and only zeroes that derivative.
+    sqrt = (lambda v: v.clamp_min(1e-30).sqrt()) if differentiable else torch.sqrt
 
     def step(param: Tensor, grad: Tensor, state: dict, t: int) -> Tensor:
         exp_avg = state.get("exp_avg", torch.zeros_like(param))
@@ -153,14 +157,14 @@ def _adam(spec: OptimizerSpec) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
         exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
         state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
         step_size = spec.lr / (1 - beta1**t)
-        denom = exp_avg_sq.sqrt() / ((1 - beta2**t) ** 0.5) + spec.eps
+        denom = sqrt(exp_avg_sq) / ((1 - beta2**t) ** 0.5) + spec.eps
         return torch.addcdiv(param, exp_avg, denom, value=-step_size)
 
     return step
 
 
 # A new optimizer is one update function and one entry here (the run config's choices follow).
-UPDATES: dict[str, Callable[[OptimizerSpec], Callable[[Tensor, Tensor, dict, int], Tensor]]] = {
+UPDATES: dict[str, Callable[[OptimizerSpec, bool], Callable[[Tensor, Tensor, dict, int], Tensor]]] = {
     "adam": _adam,
     "sgd": _sgd,
 }
@@ -196,7 +200,7 @@ def run_local_round(
     batches = schedule.batches(len(data), plan.seed)  # type: ignore[arg-type]
     if plan.masks is not None and len(plan.masks) < len(batches):
         raise LocalPlanError(f"{len(plan.masks)} mask sets for {len(batches)} steps")
-    update_rule = UPDATES[plan.optimizer.name](plan.optimizer)
+    update_rule = UPDATES[plan.optimizer.name](plan.optimizer, plan.differentiable)
     names = [n for n, _ in model.named_parameters()]
     global_params = dict(model.named_parameters()) if start is None else dict(start)
     dtype = torch.float64 if plan.float64_weights else None
@@ -220,7 +224,7 @@ def run_local_round(
                     p = weights[n]
                     if dtype is not None:
                         p = p.to(global_params[n].dtype)
-                    if not plan.differentiable:
+                    if not plan.differentiable or not p.requires_grad:  # a frozen start: a leaf of its own
                         p = p.detach().requires_grad_(True)
                     params[n] = p
                 if plan.masks is not None:
@@ -239,13 +243,15 @@ def run_local_round(
     finally:
         set_dropout_mode(model, DropoutMode.AUTO)
         model.train(was_training)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    local = {**state, **{n: (w if plan.differentiable else w.detach()) for n, w in weights.items()}}
-    update = {k: (global_params[k].to(v.dtype) if k in global_params else state[k].to(v.dtype)) - v
-              for k, v in local.items() if v.is_floating_point() and k in global_params}
+    # Only the replay keeps a graph; the client's own result is plain data.
+    start_values = global_params if plan.differentiable else {k: v.detach() for k, v in global_params.items()}
+    buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in start_values}
+    local = {**buffers, **{n: (w if plan.differentiable else w.detach()) for n, w in weights.items()}}
+    update = {k: start_values[k].to(v.dtype) - v for k, v in local.items() if k in start_values}
     defended = apply_defense(plan.defense, update)
     if defended is not update:  # the client sends global - defended update
-        local.update({k: global_params[k].to(v.dtype) - v for k, v in defended.items()})
+        local.update({k: start_values[k].to(v.dtype) - v for k, v in defended.items()})
+    local = {k: local[k] for k in model.state_dict()}  # state-dict order
     return LocalResult(local, defended, steps)
 
 

@@ -191,6 +191,9 @@ SCHEMA: tuple[Setting, ...] = (
             check=_check_capture_rounds, group="capture"),
     Setting("capture-kind", "gradient", "gradient: one-step SGD rounds on B victims; update: normal rounds",
             choices=("gradient", "update"), group="capture"),
+    Setting("capture-images", 0, "update capture rounds: each client trains on this many images drawn from its "
+            "partition, a victim set small enough to reconstruct (0: its whole partition)", range=_AT_LEAST_0,
+            group="capture"),
     Setting("victim-batch-size", 1, "B, the victim images of a one-step capture round", range=_AT_LEAST_1,
             group="capture"),
     Setting("onestep-lr", 1e-3, "learning rate of a one-step round (small: it should not disturb training)",

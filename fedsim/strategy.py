@@ -8,6 +8,7 @@ gradient as (global - local) / lr; otherwise it stores the update (global - loca
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Iterable
@@ -83,6 +84,7 @@ class CuriousFedAvg(FedAvg):
             return []
         config = ConfigRecord(dict(config))  # a copy: start() reuses one ConfigRecord for every round
         config["one-step"] = self.is_capture_round(server_round) and self.capture_kind == "gradient"
+        config["capture-update"] = self.is_capture_round(server_round) and self.capture_kind == "update"
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._sent = {server_round: (arrays, dict(config))}  # only the current round is needed
         return messages
@@ -168,7 +170,9 @@ class CuriousFedAvg(FedAvg):
                 k: (v.double() - local_state[k].double()).to(v.dtype) if v.is_floating_point() else local_state[k]
                 for k, v in global_state.items()
             }
-            capture = Capture(kind="update", update=update, labels=None, label_policy="recovered", **common)
+            capture = Capture(kind="update", update=update, labels=labels,
+                              label_policy="known" if labels is not None else "recovered",
+                              local_steps=int(meta.get("local-steps", 1)), **common)
         if self.capture_dir is not None:
             self.capture_paths.append(save_capture(self.capture_dir, capture))
         if self.keep_in_memory:
@@ -182,8 +186,10 @@ class CuriousFedAvg(FedAvg):
 
 
 def _parse_oracle(record: ConfigRecord, server_round: int, client: int, node_id: int) -> OracleRecord:
-    tensors = st_load(bytes(record["safetensors"]))
+    blob = bytes(record["safetensors"])
+    tensors = st_load(blob)
     num_masks = sum(1 for k in tensors if k.startswith("masks/"))
+    batches = _wire_batches(blob)
     return OracleRecord(
         images=tensors["images"],
         labels=tensors["labels"],
@@ -191,7 +197,20 @@ def _parse_oracle(record: ConfigRecord, server_round: int, client: int, node_id:
         round=server_round,
         client=client,
         node_id=node_id,
+        batches=batches,
     )
+
+
+def _wire_batches(blob: bytes) -> list[list[int]] | None:
+    """The batch order a client put in its oracle's safetensors metadata (JSON lists of ints)."""
+    header_len = int.from_bytes(blob[:8], "little")
+    metadata = json.loads(blob[8 : 8 + header_len]).get("__metadata__", {})
+    if "batches" not in metadata:
+        return None
+    batches = json.loads(metadata["batches"])
+    if not (isinstance(batches, list) and all(isinstance(b, list) and all(isinstance(i, int) for i in b) for b in batches)):
+        raise CaptureError("oracle batch order is not a list of index lists")
+    return batches
 
 
 def _match_dtypes(arrays: ArrayRecord, like: ArrayRecord) -> ArrayRecord:

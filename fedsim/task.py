@@ -90,10 +90,12 @@ def evaluate(model: nn.Module, data: Dataset, batch_size: int = 1000) -> dict[st
 
 
 def victim_batch(
-    cfg: Mapping[str, Any], dataset: Dataset, indices: np.ndarray, server_round: int, partition_id: int
+    cfg: Mapping[str, Any], dataset: Dataset, indices: np.ndarray, server_round: int, partition_id: int,
+    count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B victims of this client's partition, drawn afresh per round (seeded by run seed, round, client)."""
-    b = int(cfg["victim-batch-size"])
+    """``count`` (default B) victims of this client's partition, drawn afresh per round (seeded by run
+    seed, round, client)."""
+    b = int(cfg["victim-batch-size"]) if count is None else count
     seed = int(np.random.SeedSequence([int(cfg["seed"]), server_round, partition_id]).generate_state(1)[0])
     ((images, labels),) = sample_victims(dataset, indices, k=b, batch_size=b, seed=seed)
     return images, labels

@@ -99,7 +99,8 @@ def set_masks(model: nn.Module, masks: Sequence[Tensor]) -> None:
     if len(masks) != len(layers):
         raise ValueError(f"model has {len(layers)} dropout layers, got {len(masks)} masks")
     for layer, mask in zip(layers, masks):
-        layer.mask = mask
+        # a learned mask (nn.Parameter) is handed over as a view: it must not become a model parameter
+        layer.mask = mask.view_as(mask) if isinstance(mask, nn.Parameter) else mask
 
 
 def clear_masks(model: nn.Module) -> None:

@@ -1,0 +1,79 @@
+"""Matching terms for an update: replay the client's local round differentiably, job by job.
+
+A FedAvg client shares Δ = θ_global − θ_local after K local steps. The attacker runs the same round
+(``fedsim.client_step.run_local_round``, the very code the client ran) on its dummy images with
+per-step masks, keeping the graph through every step and through the optimizer's update rule, and
+compares the resulting Δ with the captured one. The terms come out in the same form as the one-step
+gradient terms (``MatchTerms``), so the distances and loss terms of ``objectives`` apply unchanged.
+
+Jobs run one after another here: each job's weights drift apart from step 1 on, so there is no
+shared product to batch across jobs the way the one-step terms do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from fedsim.client_step import LocalPlan, run_local_round
+
+from .gradients import MatchTerms
+
+# Bytes per float32 value kept for the backward pass of one replayed step, per parameter and per
+# activation value: the double backward keeps the forward activations, their gradients, the weight
+# gradients and the optimizer's state (measured roughly on the MLP; a planning figure, not a bound).
+PARAM_FACTOR, ACTIVATION_FACTOR = 6 * 4, 6 * 4
+
+
+def replay_terms(
+    model: nn.Module,
+    start: dict[str, Tensor],
+    plan: LocalPlan,
+    images: list[Tensor],
+    labels: list[Tensor],
+    masks: list[list[list[Tensor]]],
+    targets: list[list[Tensor]],
+) -> MatchTerms:
+    """For each job j: replay ``plan`` on ``images[j]`` with ``masks[j]`` (per step, per dropout
+    layer) from the weights ``start``, and return <Δ_j, Δ*_j>, ||Δ_j||², ||Δ*_j||² per parameter."""
+    names = [n for n, _ in model.named_parameters()]
+    dots, norms, target_norms = [], [], []
+    for x, y, job_masks, target in zip(images, labels, masks, targets):
+        job_plan = replace(plan, dropout="learn", masks=job_masks, differentiable=True, keep_gradients=False,
+                           record_masks=False)
+        update = run_local_round(model, TensorDataset(x, y), job_plan, start=start).update
+        delta = [update[n] for n in names]
+        dots.append(torch.stack([(d * t).sum() for d, t in zip(delta, target)]))
+        norms.append(torch.stack([(d * d).sum() for d in delta]))
+        target_norms.append(torch.stack([(t * t).sum() for t in target]))
+    return MatchTerms(torch.stack(dots, 1), torch.stack(norms, 1), torch.stack(target_norms, 1), names)
+
+
+def activations_per_image(model: nn.Module, input_shape: tuple[int, ...]) -> int:
+    """Values the model's modules output for one image (a forward pass with hooks)."""
+    total = 0
+
+    def hook(_module, _inputs, output) -> None:
+        nonlocal total
+        if isinstance(output, Tensor):
+            total += output.numel()
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_shape))
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def unroll_bytes(model: nn.Module, input_shape: tuple[int, ...], steps: list[list[int]], jobs: int = 1) -> int:
+    """A planning estimate of the memory one replay keeps for the backward pass of ``jobs`` jobs."""
+    params = sum(p.numel() for p in model.parameters())
+    acts = activations_per_image(model, input_shape)
+    per_job = sum(PARAM_FACTOR * params + ACTIVATION_FACTOR * acts * len(batch) for batch in steps)
+    return per_job * jobs
