@@ -50,19 +50,26 @@ def replay_plan(capture: Capture) -> LocalPlan:
 
 
 def jobs_from_captures(
-    paths: list[Path], run_dir: Path | None = None, label_policy: str = "known"
+    paths: list[Path], run_dir: Path | None = None, label_policy: str = "known", skip_bad: bool = False
 ) -> tuple[list[VictimJob], list[Oracle | None], list[str]]:
     """Load captures as jobs: a one-step gradient, or an update with the local round to replay.
     Captures that share the same global weights (one round) share one weights object, so their jobs
     run as one optimization. Returns the jobs, their oracles (None where the run was not audited)
-    and a note per skipped capture."""
+    and a note per skipped capture. A capture that cannot be read or replayed raises CaptureError,
+    or with ``skip_bad`` (live attacks: the others go on) is skipped with a note."""
     jobs: list[VictimJob] = []
     oracles: list[Oracle | None] = []
     skipped: list[str] = []
     weight_sets: list[dict[str, torch.Tensor]] = []
     for path in paths:
-        capture: Capture = load_capture(path)
-        plan = replay_plan(capture) if capture.kind == "update" else None
+        try:
+            capture: Capture = load_capture(path)
+            plan = replay_plan(capture) if capture.kind == "update" else None
+        except CaptureError as err:
+            if not skip_bad:
+                raise
+            skipped.append(f"{path.name}: {err}")
+            continue
         weights = {k: v.float() if v.is_floating_point() else v for k, v in capture.weights.items()}
         for known in weight_sets:
             if _same_weights(known, weights):

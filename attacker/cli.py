@@ -1,6 +1,7 @@
 """`attacker`: run gradient inversion attacks from the command line.
 
   attacker demo                      the main job: IG (eval), WIIG and DIA on MNIST victims of an MLP, p = 0.25
+  attacker demo --capture-kind update  the same on a FedAvg training round (4 local steps, fresh masks per step)
   attacker run CONFIG.yaml           an attack config (see configs/attacks/)
   attacker run --model vit --dataset cifar10 --p 0.25 --victim-file ../shared/data/dia-victims/CIFAR10_128.tdump
   attacker watch RUN_DIR             attack a federated run's captures live, as the curious server writes them
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     common(demo)
     demo.add_argument("--offline-victims", action="store_true",
                       help="skip the federation: attack victims from a client's partition directly")
+    demo.add_argument("--capture-kind", choices=SETTINGS["capture-kind"].choices, default="gradient",
+                      help="gradient: the paper's one-step round; update: a FedAvg training round of 4 local SGD "
+                           "steps with fresh masks per step, attacked by replaying the steps")
     watch = sub.add_parser("watch", help="attack a federated run's captures live, as they arrive")
     watch.add_argument("run_dir", help="the federated run folder (its captures/ is read, never written)")
     common(watch)
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = {"max_iterations": args.iterations} if args.iterations else {}
             result = run_story(out, attack_overrides=overrides, lpips=not args.no_lpips, data_root=args.data_root or "data",
                                device=args.device or "auto", progress=not args.quiet, log=lambda m: console.print(m),
-                               num_clients=args.victims)
+                               num_clients=args.victims, capture_kind=args.capture_kind)
             _print_summary(result)
             console.print(f"main job report: [bold]{out / 'report.md'}[/bold]")
             return 0

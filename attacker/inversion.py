@@ -175,6 +175,17 @@ class InversionModule(L.LightningModule):
         self._targets_for: tuple[int, ...] | None = None
 
     # -- Lightning plumbing -------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        # A replay is many small, memory-bound ops: on CPU one intra-op thread beats two (measured
+        # here: MLP K = 4, 0.04 s against 1.2 s per iteration on a busy 2-core machine), since every
+        # parallel region waits for the slowest thread. Restored when the fit ends.
+        self._threads = torch.get_num_threads()
+        if self.plan is not None and self.device.type == "cpu":
+            torch.set_num_threads(1)
+
+    def on_train_end(self) -> None:
+        torch.set_num_threads(getattr(self, "_threads", torch.get_num_threads()))
+
     def configure_optimizers(self):  # optimizers live per job in the module (see module docstring)
         return None
 

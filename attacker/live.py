@@ -17,7 +17,7 @@ from typing import Any, Callable
 from fedsim.atomic import atomic_write
 from fedsim.capture import list_captures
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .pipeline import run_attack
 
 
@@ -60,9 +60,13 @@ def watch(
             victims = dataclasses.replace(cfg.victims, source="captures", captures=str(run_dir), max_captures=0)
             batch_cfg = dataclasses.replace(cfg, victims=victims)
             log(f"attacking {len(new)} new capture(s) of round {round_no} -> {batch_dir}")
-            result = run_attack(batch_cfg, batch_dir, progress=False, log=log, only=new)
-            result["captures"] = [p.name for p in new]
-            summaries.append(result)
+            try:
+                result = run_attack(batch_cfg, batch_dir, progress=False, log=log, only=new)
+            except ConfigError as err:  # every new capture was bad: reported, and the watch goes on
+                log(f"skipped round {round_no}: {err}")
+            else:
+                result["captures"] = [p.name for p in new]
+                summaries.append(result)
             attacked.update(p.name for p in new)
             atomic_write(done_file, json.dumps(sorted(attacked)))
             continue

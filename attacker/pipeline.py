@@ -77,7 +77,9 @@ def load_jobs(
         paths = only if only is not None else capture_paths(v.captures)  # type: ignore[arg-type]
         if v.max_captures:
             paths = paths[: v.max_captures]
-        jobs, oracles, skipped = jobs_from_captures(paths, Path(v.captures), cfg.labels)  # type: ignore[arg-type]
+        # live attacks (``only``) report a bad capture and attack the others; a whole run refuses it
+        jobs, oracles, skipped = jobs_from_captures(paths, Path(v.captures), cfg.labels,  # type: ignore[arg-type]
+                                                    skip_bad=only is not None)
         for note in skipped:
             log(f"skipped {note}")
         if not jobs:

@@ -4,6 +4,11 @@ A short Flower simulation (Ray) trains an MLP with dropout p = 0.25 on MNIST; in
 honest-but-curious server captures each client's one-step gradient (audit on, so the clients'
 true images and masks are kept apart for WIIG and scoring); IG (eval), WIIG and DIA attack the
 captured gradients; one report shows the accuracy per round, the attack table and the pictures.
+
+With ``capture_kind="update"`` the same story runs on a FedAvg training round instead: in round 1
+every client trains on a victim set of 4 images, one epoch in batches of 1 with plain SGD
+(K = 4 local steps, fresh dropout masks at each), and the server captures its update; the attacks
+replay the 4 steps (and the Δ/(lr·K) baseline treats the update as one gradient).
 """
 
 from __future__ import annotations
@@ -37,13 +42,23 @@ ATTACKS = {
     # near their final SSIM by then on the MLP (IG stays where it is).
     "attack_overrides": {"max_iterations": 2000},
 }
+# The FedAvg variant: every round trains (batch size 1, SGD); round 1's updates are captured, each
+# from a client's victim set of N = 4 images (K = 4 steps). Replaying K steps costs about K times a
+# one-step iteration, so the demo runs 4 clients and 1,000 iterations.
+UPDATE_FEDERATION: dict[str, Any] = dict(
+    FEDERATION, **{"num-clients": 4, "capture-kind": "update", "capture-images": 4, "batch-size": 1,
+                   "optimizer": "sgd", "lr": 0.01, "batch-order": "in-order"})
+UPDATE_ATTACKS = {"attacks": ["ig_eval", "wiig", "dia", "dia_onestep"], "attack_overrides": {"max_iterations": 1000}}
 
 
 def run_story(
     out: Path, *, attack_overrides: dict[str, Any] | None = None, lpips: bool = True, data_root: str = "data",
     device: str = "auto", progress: bool = True, log: Callable[[str], Any] = print, num_clients: int | None = None,
+    capture_kind: str = "gradient",
 ) -> dict[str, Any]:
-    """Run the main job into ``out`` (federated/, attack/, report.md). ``num_clients`` = victims."""
+    """Run the main job into ``out`` (federated/, attack/, report.md). ``num_clients`` = victims;
+    ``capture_kind`` "update" captures a FedAvg training round instead of a one-step round."""
+    federation, attacks = (FEDERATION, ATTACKS) if capture_kind == "gradient" else (UPDATE_FEDERATION, UPDATE_ATTACKS)
     out = Path(out)
     if (out / "report.md").exists():
         raise RunDirError(f"{out} already holds a finished main job; choose another --out or remove it")
@@ -53,7 +68,7 @@ def run_story(
             raise RunDirError(f"{fed_dir} holds an unfinished federated run; remove it to start again")
         from fedsim.simulation import run_simulation_job
 
-        cfg = dict(FEDERATION, **{"run-dir": str(fed_dir), "data-root": data_root})
+        cfg = dict(federation, **{"run-dir": str(fed_dir), "data-root": data_root})
         if num_clients:
             cfg["num-clients"] = num_clients
         log(f"federated training: {cfg['model']}/{cfg['dataset']}, p = {cfg['p']}, {cfg['num-clients']} clients, "
@@ -65,8 +80,8 @@ def run_story(
             + (" (captured)" if row.get("captured") == "1" else ""))
     attack_cfg = parse_config({
         "victims": {"source": "captures", "captures": str(fed_dir)},
-        "attacks": ATTACKS["attacks"],
-        "attack_overrides": dict(ATTACKS["attack_overrides"], **(attack_overrides or {})),
+        "attacks": attacks["attacks"],
+        "attack_overrides": dict(attacks["attack_overrides"], **(attack_overrides or {})),
         "lpips": lpips,
         "device": device,
     })
@@ -83,6 +98,17 @@ def write_story_report(out: Path, rounds: list[dict[str, str]], result: dict[str
         for r in rounds
     )
     fed = json.loads((out / "federated" / "config.json").read_text())
+    if fed.get("capture-kind") == "update":
+        shared = (f"the update of a FedAvg training round: {fed['capture-images']} training images per client, "
+                  f"{fed['local-epochs']} epoch(s) in batches of {fed['batch-size']} with {fed['optimizer']} "
+                  f"(lr {fed['lr']}), fresh dropout masks at every local step")
+        attacks = ("on the captured updates, each replaying the client's local steps: IG (eval) ignores dropout, "
+                   "WIIG replays the client's true masks of every step (an oracle), DIA learns one set of masks per "
+                   "step from the update alone; dia_onestep is the cheap baseline that takes Δ/(lr·K) as one gradient")
+    else:
+        shared = f"a one-step gradient of {fed['victim-batch-size']} training image(s) per client"
+        attacks = ("on the captured gradients: IG (eval) ignores dropout, WIIG replays the client's true masks "
+                   "(an oracle), DIA learns the masks from the gradient alone")
     text = f"""# Dropout does not protect clients: the main job
 
 1. **Federated training** (Flower simulation engine): {fed['model']} on {fed['dataset']} with dropout
@@ -92,12 +118,11 @@ def write_story_report(out: Path, rounds: list[dict[str, str]], result: dict[str
 |---|---|---|---|
 {acc}
 
-2. **The honest-but-curious server** recorded every client's reply in round {fed['capture-rounds']}: a
-   one-step gradient of {fed['victim-batch-size']} training image(s) per client (`federated/captures/`). Audit mode kept the
-   clients' true images and dropout masks apart (`federated/oracle/`), for WIIG and scoring only.
+2. **The honest-but-curious server** recorded every client's reply in round {fed['capture-rounds']}:
+   {shared} (`federated/captures/`). Audit mode kept the clients' true images and dropout masks apart
+   (`federated/oracle/`), for WIIG and scoring only.
 
-3. **The attacks** on the captured gradients: IG (eval) ignores dropout, WIIG replays the client's
-   true masks (an oracle), DIA learns the masks from the gradient alone.
+3. **The attacks** {attacks}.
 
 {table}
 

@@ -53,7 +53,8 @@ def collect_rows(experiments: list[Experiment], selected: list[tuple[Experiment,
                 e = summary.get(attack, {})
                 row: dict[str, Any] = {
                     "experiment": exp.name, "cell": cell.id, "model": cell.model, "dataset": cell.dataset,
-                    "p": cell.p, "B": cell.B, "attack": attack,
+                    "p": cell.p, "B": cell.B, "attack": attack, "K": cell.local_steps,
+                    "optimizer": cell.optimizer, "local_round": cell.local_round_label(),
                     "lambda_mask": cell.overrides.get("lambda_mask", exp.attack_overrides.get("lambda_mask")),
                     "mask_init": cell.overrides.get("mask_init", exp.attack_overrides.get("mask_init")),
                     "overrides": json.dumps({**exp.attack_overrides, **cell.overrides}, sort_keys=True),
@@ -150,6 +151,8 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
             head.append("λ_mask")
         if any(r["mask_init"] is not None for r in erows):
             head.append("mask init")
+        if any(r.get("K") is not None for r in erows):
+            head += ["local round", "K"]
         head += ["attack", "victims", "SSIM paper-space (ours)", "SSIM paper", "SSIM [0,1] (ours)"]
         if has_mmd:
             head += ["MMD (ours)", "MMD paper"]
@@ -164,6 +167,8 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
                 cells.append("–" if r["lambda_mask"] is None else f"{r['lambda_mask']:g}")
             if "mask init" in head:
                 cells.append(r["mask_init"] or "–")
+            if "K" in head:
+                cells += [r.get("local_round") or "one step", str(r.get("K") or 1)]
             victims = "–" if not r["victims"] else (f"{r['victims']}×{r['B']}" if r["B"] > 1 else str(r["victims"]))
             cells += [r["attack"], victims, fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
                       fmt_mean_std(r["paper_ssim"], digits=2), fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"])]

@@ -11,6 +11,9 @@ from typing import Any
 
 import yaml
 
+from fedsim.run_config import DEFAULTS, resolve_config, to_run_config
+from fedsim.task import local_plan
+
 from ..config import ConfigError, RunConfig, parse_config
 
 PAPER_VICTIMS = {
@@ -51,6 +54,30 @@ class Cell:
     @property
     def key(self) -> str:
         return f"{self.experiment}-{self.id}"
+
+    @property
+    def local_round(self) -> dict[str, Any] | None:
+        """The victims' FedAvg round (victims.local_round), or None for the paper's one step."""
+        return self.victims.get("local_round")
+
+    @property
+    def local_steps(self) -> int | None:
+        """K, the local steps of the cell's FedAvg round (None: the one-step setting)."""
+        if self.local_round is None:
+            return None
+        cfg = resolve_config(to_run_config(self.local_round))
+        return len(local_plan(cfg, one_step=False, seed=0).schedule.batches(self.victim_batch_size, 0))
+
+    @property
+    def optimizer(self) -> str | None:
+        return None if self.local_round is None else str(self.local_round.get("optimizer", DEFAULTS["optimizer"]))
+
+    def local_round_label(self) -> str | None:
+        r = self.local_round
+        if r is None:
+            return None
+        return (f"N={self.victim_batch_size} b={r.get('batch_size', DEFAULTS['batch-size'])} "
+                f"E={r.get('local_epochs', DEFAULTS['local-epochs'])} {self.optimizer} lr={r.get('lr', DEFAULTS['lr'])}")
 
     def label(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in self.overrides.items())

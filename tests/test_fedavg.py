@@ -1,0 +1,188 @@
+"""FedAvg rounds: capture of training updates, the exact replay of the client's local steps, the
+K = 1 equivalence with the one-step attack, and bad update captures."""
+
+from __future__ import annotations
+
+from fedsim import flower_env
+
+flower_env.apply()  # before anything imports flwr
+
+import dataclasses  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+from attacker.attacks import make_attack  # noqa: E402
+from attacker.captures import jobs_from_captures  # noqa: E402
+from attacker.cli import main as attacker_main  # noqa: E402
+from attacker.jobs import as_one_gradient, exact_as_gradient, jobs_from_images, model_from_job  # noqa: E402
+from attacker.replay import replay_terms  # noqa: E402
+from attacker.runner import run_jobs  # noqa: E402
+from fedsim import task  # noqa: E402
+from fedsim.capture import list_captures  # noqa: E402
+from fedsim.client_app import handle_train  # noqa: E402
+from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan, run_local_round  # noqa: E402
+from fedsim.data import DataUnavailableError  # noqa: E402
+from fedsim.models import ModelSpec  # noqa: E402
+from fedsim.run_config import resolve_config  # noqa: E402
+from fedsim.strategy import CuriousFedAvg  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
+
+NODE_IDS = [1111, 2222]
+
+
+class FakeGrid:
+    def get_node_ids(self) -> list[int]:
+        return list(NODE_IDS)
+
+
+def _context(partition_id: int, node_id: int) -> Context:
+    return Context(run_id=1, node_id=node_id, node_config={"partition-id": partition_id, "num-partitions": 2},
+                   state=RecordDict(), run_config={})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def task_identity() -> None:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+
+
+def _captured_round(tmp_path: Path, **overrides: Any) -> Path:
+    """One update-capture round of two in-process clients, audited, written as a run folder."""
+    cfg = resolve_config({"num-clients": 2, "download": False, "audit": True, "model-options": '{"width": 64}',
+                          "capture-kind": "update", "capture-images": 4, "batch-size": 1, "batch-order": "in-order",
+                          **overrides})
+    try:
+        task.load_split(cfg, train=True)
+    except DataUnavailableError as exc:
+        pytest.skip(f"no offline MNIST sample: {exc}")
+    strategy = CuriousFedAvg(task.model_spec(cfg), capture_rounds="all", capture_kind="update",
+                             capture_dir=tmp_path / "captures", oracle_dir=tmp_path / "oracle",
+                             min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0)
+    arrays = ArrayRecord(task.make_model(cfg).state_dict())
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(dict(cfg)), FakeGrid()))
+    replies = [handle_train(m, _context(NODE_IDS.index(m.metadata.dst_node_id), m.metadata.dst_node_id))
+               for m in messages]
+    strategy.aggregate_train(1, replies)
+    assert not strategy.failures
+    return tmp_path
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.05), ("sgd-momentum", 0.05), ("adam", 1e-3)])
+def test_replay_with_the_oracle_reproduces_the_captured_update(tmp_path: Path, optimizer: str, lr: float) -> None:
+    extra = {"optimizer": "sgd", "momentum": 0.9} if optimizer == "sgd-momentum" else {"optimizer": optimizer}
+    run = _captured_round(tmp_path, lr=lr, **extra)
+    jobs, oracles, skipped = jobs_from_captures(list_captures(run), run)
+    assert not skipped and len(jobs) == 2
+    for job, oracle in zip(jobs, oracles):
+        assert job.kind == "update" and job.steps == [[0], [1], [2], [3]] and job.batch_size == 4
+        assert job.plan.optimizer.name == "sgd" if optimizer != "adam" else job.plan.optimizer.name == "adam"
+        assert job.label_source == "known" and len(oracle.masks) == 4 * 3  # K steps x 3 dropout layers
+        model = model_from_job(job)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        masks = [[m.float() for m in oracle.masks[t * 3:(t + 1) * 3]] for t in range(4)]
+        terms = replay_terms(model, dict(model.named_parameters()), job.plan, [oracle.images], [job.labels], [masks],
+                             [job.gradient])
+        # the replay's Δ equals the captured one: <Δ, Δ*> = ||Δ||² = ||Δ*||² to float precision
+        total = terms.target_norm2.sum()
+        assert total > 0
+        torch.testing.assert_close(terms.norm2.sum(), total, rtol=1e-5, atol=0)
+        torch.testing.assert_close(terms.dot.sum(), total, rtol=1e-5, atol=0)
+
+
+def test_k1_plain_sgd_update_is_the_one_step_attack(mnist_like: tuple[torch.Tensor, torch.Tensor], tmp_path: Path):
+    """A FedAvg round of one plain SGD step on all images, captured as an update, is attacked exactly
+    like the paper's one-step round: the same gradient bits, so the same reconstruction."""
+    x, y = mnist_like
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    batches = [(x[:2], y[:2]), (x[2:4], y[2:4])]
+    lr = 0.01
+    plan = LocalPlan(Schedule(epochs=1, batch_size=0, order="in-order"), OptimizerSpec("sgd", lr), float64_weights=True)
+    upd_jobs, _ = jobs_from_images(spec, batches, plan=plan)
+    assert all(exact_as_gradient(j) for j in upd_jobs)
+    converted = [as_one_gradient(j) for j in upd_jobs]
+    # the one-step round as the ClientApp runs it, and the gradient as the curious server recovers it
+    grad_jobs = []
+    for job, (images, labels) in zip(upd_jobs, batches):
+        model = model_from_job(job)
+        result = run_local_round(model, TensorDataset(images, labels), one_step_plan(lr, seed=job.plan.seed))
+        names = [n for n, _ in model.named_parameters()]
+        gradient = [((job.weights[n].double() - result.weights[n].double()) / lr).float() for n in names]
+        grad_jobs.append(dataclasses.replace(job, gradient=gradient, plan=None))
+    for g, u in zip(grad_jobs, converted):
+        assert all(torch.equal(a, b) for a, b in zip(g.gradient, u.gradient))
+    attacks = [make_attack("dia", max_iterations=15)] * 2
+    one = run_jobs(grad_jobs, attacks, None, tmp_path / "a", progress=False)
+    two = run_jobs(converted, attacks, None, tmp_path / "b", progress=False)
+    for a, b in zip(one, two):
+        assert torch.equal(a.images, b.images) and a.losses == b.losses
+
+
+def test_update_attack_runs_end_to_end_from_captures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
+    out = tmp_path / "attack"
+    code = attacker_main(["run", "--captures", str(run), "--attacks", "ig_eval", "wiig", "dia", "dia_onestep",
+                          "--iterations", "6", "--no-lpips", "--quiet", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "client updates of 4 local steps" in text and "victim-it/s" in text
+    rows = (out / "metrics.csv").read_text().splitlines()
+    attacks = {line.split(",")[1] for line in rows[1:]}
+    assert attacks == {"ig_eval", "wiig", "dia", "dia_onestep"}
+
+
+def _edit_capture(run: Path, change) -> None:
+    import hashlib
+    import json
+
+    for record in list_captures(run):
+        meta = json.loads((record / "record.json").read_text())
+        change(meta)
+        meta["tensors_sha256"] = hashlib.sha256((record / "tensors.safetensors").read_bytes()).hexdigest()
+        (record / "record.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda m: m["hyperparameters"].update(optimizer="rmsprop"), "optimizer must be one of"),
+    (lambda m: m["hyperparameters"].pop("lr"), "lack lr"),
+    (lambda m: m.update(local_steps=7), "the client reported 7"),
+])
+def test_bad_update_captures_give_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], change, words) -> None:
+    run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
+    _edit_capture(run, change)
+    out = tmp_path / "attack"
+    assert attacker_main(["run", "--captures", str(run), "--iterations", "2", "--no-lpips", "--quiet",
+                          "--out", str(out)]) == 2
+    text = capsys.readouterr().out.strip()
+    assert words in text and "Traceback" not in text and text.startswith("error:")
+    assert not out.exists()
+
+
+def test_a_round_too_large_to_unroll_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text("victims: {source: builtin, victim_batch_size: 8, count: 8, data_root: data,\n"
+                   "  local_round: {local_epochs: 50, batch_size: 1, optimizer: sgd, lr: 0.01}}\n"
+                   "max_unroll_gb: 0.01\nlpips: false\n")
+    out = tmp_path / "attack"
+    code = attacker_main(["run", str(cfg), "--iterations", "2", "--quiet", "--out", str(out)])
+    text = capsys.readouterr().out
+    if "OFFLINE" not in text and "not found" in text and code == 2 and "data" in text:
+        pytest.skip("no offline MNIST sample")
+    assert code == 2 and "too large to unroll" in text and "limit 0.01 GB" in text, text
+    assert not out.exists()
+
+
+def test_a_corrupt_capture_in_a_live_attack_is_skipped(tmp_path: Path) -> None:
+    run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
+    first, second = list_captures(run)
+    (first / "tensors.safetensors").write_bytes(b"garbage")
+    jobs, _, skipped = jobs_from_captures([first, second], run, skip_bad=True)
+    assert len(jobs) == 1 and len(skipped) == 1 and "corrupt" in skipped[0]
+    shutil.rmtree(run)
