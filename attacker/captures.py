@@ -41,6 +41,12 @@ def replay_plan(capture: Capture) -> LocalPlan:
         plan = local_plan(cfg, one_step=False, seed=0)
     except (RunConfigError, LocalPlanError) as err:
         raise CaptureError(f"capture {capture.path}: the replay cannot run this update ({err})") from None
+    if plan.schedule.order == "shuffled" and plan.schedule.epochs > 1 and plan.schedule.max_steps == 0 \
+            and plan.schedule.batch_size and plan.schedule.batch_size < capture.num_examples:
+        # Within one epoch a shuffled order is only a relabelling of the dummies; across epochs the
+        # replay would have to tie each epoch's copy of an image without knowing where it went.
+        raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs; the "
+                           "replay assumes a known batch order (run the audit with batch-order in-order)")
     plan = replace(plan, schedule=replace(plan.schedule, order="in-order"), record_masks=False)
     steps = len(plan.schedule.batches(capture.num_examples, 0))
     if steps != capture.local_steps:

@@ -257,7 +257,7 @@ def cmd_captures(args: argparse.Namespace) -> int:
     if not paths:
         raise UsageError(f"{folder} holds no captures (expected a run folder or its captures/)")
     table = Table(title=f"captures in {folder}")
-    for col in ("round", "client", "kind", "model", "p", "B", "lr", "labels", "path"):
+    for col in ("round", "client", "kind", "model", "p", "images", "B", "K", "lr", "labels", "path"):
         table.add_column(col)
     bad = 0
     for path in paths:
@@ -268,8 +268,8 @@ def cmd_captures(args: argparse.Namespace) -> int:
             console.print(f"[red]{exc}[/red]")
             continue
         labels = c.label_policy if c.labels is None else ",".join(str(int(v)) for v in c.labels[:8])
-        table.add_row(str(c.round), str(c.client), c.kind, c.spec.name, f"{c.p:g}", str(c.batch_size), f"{c.lr:g}",
-                      labels, path.name)
+        table.add_row(str(c.round), str(c.client), c.kind, c.spec.name, f"{c.p:g}", str(c.label_count),
+                      str(c.batch_size), str(c.local_steps), f"{c.lr:g}", labels, path.name)
     console.print(table)
     return 1 if bad else 0
 
