@@ -222,6 +222,7 @@ def _result_rows(path: Path) -> list[dict]:
                 for row in csv.DictReader(fh)]
 
 
+@pytest.mark.timeout(300)  # a hang fails here, not after the suite's 15 minutes
 def test_cells_on_ray_equal_the_sequential_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture) -> None:
     """Four tiny cells once in this process and once as Ray tasks on a local Ray with two workers

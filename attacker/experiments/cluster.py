@@ -69,6 +69,11 @@ class RayOptions:
                 raise ClusterError(f"--ray-local-cpus must be at least 1, got {self.local_cpus}")
 
     @property
+    def request(self) -> str:
+        return (f"{self.cpus_per_task:g} CPU(s) and {self.gpus_per_task:g} GPU(s) per task, up to "
+                f"{_retries(self.max_retries)} of a cell whose worker dies")
+
+    @property
     def where(self) -> str:
         return "a local Ray" if self.address is None else f"the Ray cluster at {self.address}"
 
@@ -171,7 +176,11 @@ def connect(opts: RayOptions) -> None:
 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return f"{type(err).__name__}: {text[0].strip() if text else ''}".rstrip(": ")
+
+
+def _retries(n: int) -> str:
+    return f"{n} {'retry' if n == 1 else 'retries'}"
 
 
 def _fmt(value: float) -> str:
@@ -308,7 +317,7 @@ def run_cells(
             except (RayError, ConnectionError) as err:  # the worker (or its node) died, past the retries
                 if isinstance(err, ConnectionError):
                     raise ClusterLostError(f"lost {opts.where}: {_one_line(err)}") from None
-                message = f"{_one_line(err)} (after {opts.max_retries} retries)"
+                message = f"{_one_line(err)} (after {_retries(opts.max_retries)})"
             else:
                 counts["ran"] += 1
                 log(f"[bold cyan]{head}[/bold cyan]: {cell.label()} finished in {result['seconds']:.0f} s "

@@ -166,8 +166,7 @@ def _run_on_ray(experiments: list[Experiment], selected: list[tuple[Experiment, 
     cluster.connect(ray)
     try:
         described = cluster.check_resources(ray)
-        log(f"{len(todo)} cell(s) on {ray.where} ({described}): {ray.cpus_per_task:g} CPU(s) and "
-            f"{ray.gpus_per_task:g} GPU(s) per task, up to {ray.max_retries} retries of a cell whose worker dies")
+        log(f"{len(todo)} cell(s) on {ray.where} ({described}): {ray.request}")
         counts = cluster.run_cells(todo, ray, log, lambda: write_report(experiments, selected, out, settings))
     except BaseException:
         write_report(experiments, selected, out, settings)  # whatever finished is in the report
