@@ -169,7 +169,8 @@ def connect(opts: RayOptions) -> None:
         thread.join(opts.connect_timeout_s)
     if not outcome:
         raise ClusterError(f"could not connect to {opts.where} within {opts.connect_timeout_s:g} s (is it a Ray "
-                           f"head? HOST:PORT is the GCS port, 6379 by default; ray://HOST:10001 the Ray Client port)")
+                           f"head? HOST:PORT is the GCS port, 6379 by default, ray://HOST:10001 the Ray Client port; "
+                           f"a busy head may need a longer --ray-timeout)")
     if outcome[0] is not None:
         raise ClusterError(f"could not connect to {opts.where}: {_one_line(outcome[0])}")
 
