@@ -111,11 +111,20 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--seed", type=int, default=0)
     exp.add_argument("--report-only", action="store_true", help="rewrite results.md/csv and figures from what has run")
     exp.add_argument("--quiet", action="store_true", help="no per-cell progress bars")
+    exp.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="run the cells as Ray tasks: on a local Ray started for the run (no ADDRESS), or on an "
+                          "existing cluster (ray://HOST:10001, HOST:6379 or auto); paths must be the same on every node")
+    exp.add_argument("--ray-cpus-per-task", type=float, help="CPUs each cell's task asks for (default 1)")
+    exp.add_argument("--ray-gpus-per-task", type=float,
+                     help="GPUs each cell's task asks for; fractions share a GPU, e.g. 0.25 for the MLP (default 0)")
+    exp.add_argument("--ray-max-retries", type=int, help="reruns of a cell whose worker dies, resuming from its checkpoints (default 2)")
+    exp.add_argument("--ray-local-cpus", type=int, help="CPUs of the local Ray (default: all of this machine's)")
+    exp.add_argument("--ray-timeout", type=float, help="seconds to wait for an existing cluster to answer (default 20)")
     return parser
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from .experiments import Settings, load_experiment, run_experiments, select_cells, write_report
+    from .experiments import ClusterLostError, RayOptions, Settings, load_experiment, run_experiments, select_cells, write_report
 
     if args.victims is not None and args.victims <= 0:
         raise ConfigError(f"--victims must be positive, got {args.victims}")
@@ -132,12 +141,26 @@ def _experiment(args: argparse.Namespace) -> int:
                         cells=list(args.cells), include_optional=args.include_optional, accuracy=not args.no_accuracy,
                         fl_rounds=args.fl_rounds, fl_local_steps=args.fl_local_steps, fl_clients=args.fl_clients,
                         progress=not args.quiet, seed=args.seed)
+    ray_fields = {"ray_cpus_per_task": "cpus_per_task", "ray_gpus_per_task": "gpus_per_task",
+                  "ray_max_retries": "max_retries", "ray_local_cpus": "local_cpus", "ray_timeout": "connect_timeout_s"}
+    ray_given = {flag: getattr(args, flag) for flag in ray_fields if getattr(args, flag) is not None}
+    if args.ray is None and ray_given:
+        raise ConfigError(f"--{next(iter(ray_given)).replace('_', '-')} needs --ray")
+    ray = None
+    if args.ray is not None:  # --ray alone: a local Ray for this run; --ray ADDRESS: an existing cluster
+        ray = RayOptions(address=args.ray or None, **{ray_fields[flag]: value for flag, value in ray_given.items()})
+        ray.check()
     out = Path(args.out or f"runs/experiments/{'+'.join(names)}")
     if args.report_only:
         path = write_report(experiments, select_cells(experiments, settings), out, settings)
         console.print(f"wrote [bold]{path}[/bold]")
         return 0
-    result = run_experiments(experiments, out, settings, log=lambda m: console.print(m, highlight=False))
+    try:
+        result = run_experiments(experiments, out, settings, log=lambda m: console.print(m, highlight=False), ray=ray)
+    except ClusterLostError as err:  # not the user's input: exit 1, like failed cells; what finished is kept
+        console.print(f"[bold red]error:[/bold red] {err}; the finished cells are kept in {out}, run the same command "
+                      f"again to go on", highlight=False, soft_wrap=True)
+        return 1
     console.print(f"{result['cells']} cells: {result['ran']} run, {result['skipped']} already finished (skipped), "
                   f"{result['failed']} failed; {result['seconds']:.0f} s. Report: [bold]{result['report']}[/bold]")
     return 1 if result["failed"] else 0

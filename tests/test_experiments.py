@@ -181,3 +181,156 @@ def test_federated_victims_come_from_the_curious_servers_captures(tmp_path: Path
     assert json.loads((fed / "results.json").read_text())["num_captures"] == 2
     rows = json.loads((out / "cells" / "tiny-a" / "metrics.json").read_text())
     assert {r["job"] for r in rows} == {"r0001_c000", "r0001_c001"} and all(r["ssim_paper"] is not None for r in rows)
+
+
+FOUR = """
+name: four
+title: Four tiny cells
+cells:
+- {id: a, model: mlp, dataset: mnist, p: 0.25, attacks: [dia], model_options: {width: 32}, paper: {dia: {ssim: 1.0}}}
+- {id: b, model: mlp, dataset: mnist, p: 0.5, attacks: [dia], model_options: {width: 32}, paper: {dia: {ssim: 0.99}}}
+- {id: c, model: mlp, dataset: mnist, p: 0.75, attacks: [ig_eval], model_options: {width: 32}, paper: {ig_eval: {ssim: 0.5}}}
+- {id: d, model: mlp, dataset: mnist, p: 0.25, victim_batch_size: 2, attacks: [dia], model_options: {width: 32},
+   paper: {dia: {ssim: 0.9}}}
+"""
+FOUR_ARGS = ["--victims", "2", "--iterations", "20", "--victim-source", "builtin", "--no-lpips", "--quiet", "--no-accuracy"]
+
+
+def _dies_once(cfg, run_dir: str, cwd: str, threads: int) -> dict:
+    """Ray's cell task, except that cell c's first worker dies before doing anything (Ray retries it)."""
+    import os
+
+    marker = Path(run_dir).parents[1] / "worker-died"
+    if Path(run_dir).name == "four-c" and not marker.exists():
+        marker.write_text("cell c's first worker died here\n")
+        os._exit(1)
+    return ex.cluster.run_cell(cfg, run_dir, cwd, threads)
+
+
+def _result_rows(path: Path) -> list[dict]:
+    """results.csv without anything run-specific (timings, paths), floats as floats."""
+    import csv
+
+    def value(text: str):
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    with path.open() as fh:
+        return [{k: value(v) for k, v in row.items() if not any(w in k for w in ("seconds", "time", "path", "dir"))}
+                for row in csv.DictReader(fh)]
+
+
+@pytest.mark.timeout(300)  # a hang fails here, not after the suite's 15 minutes
+def test_cells_on_ray_equal_the_sequential_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """Four tiny cells once in this process and once as Ray tasks on a local Ray with two workers
+    (2 CPUs, one per task), where one worker dies and Ray's retry reruns its cell: the same results.csv."""
+    config = tmp_path / "four.yaml"
+    config.write_text(FOUR)
+    seq, on_ray = tmp_path / "seq", tmp_path / "ray"
+    assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(seq)]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(ex.cluster, "CELL_TASK", _dies_once)
+    ray_args = ["experiment", str(config), *FOUR_ARGS, "--out", str(on_ray), "--ray", "--ray-local-cpus", "2",
+                "--ray-cpus-per-task", "1"]
+    assert main(ray_args) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "4 cell(s) on a local Ray (1 node(s), 2 CPU(s)" in out and "4 run, 0 already finished" in out
+    assert (on_ray / "worker-died").is_file()  # cell c ran on its retry
+    rows = _result_rows(on_ray / "results.csv")
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"finished"}
+    assert rows == _result_rows(seq / "results.csv")
+    # finished cells are skipped on Ray as in the sequential run (no Ray is started for nothing)
+    assert main(ray_args) == 0
+    assert "0 run, 4 already finished" in capsys.readouterr().out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_flags_that_cannot_work_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "four.yaml"
+    config.write_text(FOUR)
+    out = tmp_path / "out"
+    base = ["experiment", str(config), *FOUR_ARGS, "--out", str(out)]
+    for extra, says in ((["--ray-gpus-per-task", "1"], "--ray-gpus-per-task needs --ray"),
+                        (["--ray", "--ray-gpus-per-task", "1.5"], "a fraction up to 1 or a whole number"),
+                        (["--ray", "--ray-cpus-per-task", "0"], "--ray-cpus-per-task must be positive"),
+                        (["--ray", "host:6379", "--ray-local-cpus", "2"], "sizes a local Ray"),
+                        (["--ray", "--device", "gpu"], "needs a GPU per task"),
+                        (["--ray", "no-port"], "expected ray://HOST:PORT")):
+        assert main(base + extra) == 2, extra
+        printed = capsys.readouterr().out
+        assert printed.startswith("error: ") and says in printed and "Traceback" not in printed, printed
+    assert not out.exists()
+
+
+def test_unreachable_ray_address_is_a_quick_user_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import time
+
+    config = tmp_path / "four.yaml"
+    config.write_text(FOUR)
+    out = tmp_path / "out"
+    port = _free_port()  # nothing listens there
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        started = time.monotonic()
+        assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", address]) == 2
+        printed = capsys.readouterr().out
+        assert time.monotonic() - started < 10
+        assert printed.startswith(f"error: cannot reach the Ray cluster at 127.0.0.1:{port}") and printed.count("\n") == 1
+        assert not out.exists()  # refused before any work
+
+
+def test_a_ray_address_that_never_answers_times_out(tmp_path: Path) -> None:
+    """Something listens but is no Ray head: ray.init would wait for minutes; --ray-timeout bounds it.
+    In a subprocess, because the abandoned ray.init goes on in the background until the process exits."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    config = tmp_path / "four.yaml"
+    config.write_text(FOUR)
+    repo = Path(__file__).resolve().parents[1]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = "127.0.0.1:%d" % silent.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "attacker.cli", "experiment", str(config), *FOUR_ARGS, "--out", str(tmp_path / "out"),
+             "--ray", address, "--ray-timeout", "2"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**__import__("os").environ, "PYTHONPATH": str(repo), "RAY_ADDRESS": ""})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"error: could not connect to the Ray cluster at {address} within 2 s"), proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("ask", ["gpus", "cpus"])
+def test_resources_no_node_offers_are_refused_right_after_connecting(ask: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    import time
+
+    import torch
+
+    config = tmp_path / "four.yaml"
+    config.write_text(FOUR)
+    out = tmp_path / "out"
+    flags = {"gpus": ["--ray-gpus-per-task", "64" if torch.cuda.is_available() else "0.25"],
+             "cpus": ["--ray-cpus-per-task", "2"]}[ask]
+    started = time.monotonic()
+    assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", "--ray-local-cpus", "1", *flags]) == 2
+    printed = capsys.readouterr().out
+    assert time.monotonic() - started < 45  # a local Ray's start and stop, nothing more
+    assert printed.startswith("error: a local Ray (1 node(s), 1 CPU(s)") and printed.count("\n") == 1, printed
+    assert f"no node has that many {ask[:3].upper()}s" in printed
+    assert not (out / "cells").exists()

@@ -7,10 +7,11 @@ metric the paper reports for it. ``run_experiments`` runs every selected cell in
 checkpoint), optionally trains the federation for Table 1's accuracy column, and writes
 ``OUT/results.md``, ``OUT/results.csv`` and ``OUT/figures/*.png``.
 
-Parsing lives in :mod:`.spec`, running in :mod:`.run`, the report in :mod:`.report`, and the output
-folder's layout in :mod:`.layout`.
+Parsing lives in :mod:`.spec`, running in :mod:`.run` (and, with ``--ray``, as Ray tasks in
+:mod:`.cluster`), the report in :mod:`.report`, and the output folder's layout in :mod:`.layout`.
 """
 
+from .cluster import ClusterError, ClusterLostError, RayOptions
 from .layout import accuracy_dir, cell_dir, run_state
 from .report import collect_rows, write_report
 from .run import accuracy_jobs, capture_federation, run_accuracy, run_experiments
@@ -30,8 +31,11 @@ from .spec import (
 __all__ = [
     "PAPER_VICTIMS",
     "Cell",
+    "ClusterError",
+    "ClusterLostError",
     "Experiment",
     "ExperimentError",
+    "RayOptions",
     "Settings",
     "accuracy_dir",
     "accuracy_jobs",

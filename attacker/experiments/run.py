@@ -16,6 +16,8 @@ from fedsim.atomic import atomic_write
 from fedsim.run_config import to_run_config
 
 from ..config import RunConfig
+from . import cluster
+from .cluster import RayOptions
 from .layout import accuracy_dir, cell_dir, run_state
 from .report import write_report
 from .spec import Cell, Experiment, ExperimentError, Settings, build_cell_config, select_cells
@@ -105,32 +107,11 @@ def run_accuracy(out: Path, selected: list[tuple[Experiment, Cell]], settings: S
         log(f"  done in {time.time() - t0:.0f} s")
 
 
-def run_experiments(
-    experiments: list[Experiment],
-    out: str | Path,
-    settings: Settings,
-    log: Callable[[str], Any] = print,
-) -> dict[str, Any]:
-    """Run (or skip) every selected cell, then write the report. Returns counts and the report path."""
+def _run_sequential(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], configs: dict[str, RunConfig],
+                    out: Path, settings: Settings, log: Callable[[str], Any]) -> dict[str, int]:
+    """The cells one after another in this process."""
     from ..pipeline import run_attack
 
-    out = Path(out)
-    if settings.victim_source == "federated":
-        settings = replace(settings, federation_dir=str(out / "federations"))
-    selected = select_cells(experiments, settings)
-    if not selected:
-        raise ExperimentError("no cell matches --cells " + " ".join(settings.cells) if settings.cells else
-                              "the experiments hold no cell to run (optional cells need --include-optional)")
-    configs = {cell.key: build_cell_config(exp, cell, settings) for exp, cell in selected}  # validate all first
-    for _, cell in selected:
-        run_dir = cell_dir(out, cell)
-        if run_dir.exists():
-            diff = _config_diff(run_dir, configs[cell.key])
-            if diff:
-                raise ExperimentError(
-                    f"{run_dir} holds a run with other settings ({'; '.join(diff[:3])}); use another --out or "
-                    f"remove that folder")
-    out.mkdir(parents=True, exist_ok=True)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
     started = time.time()
     for n, (_, cell) in enumerate(selected, 1):
@@ -160,6 +141,79 @@ def run_experiments(
             continue
         counts["ran"] += 1
         write_report(experiments, selected, out, settings)  # the report grows cell by cell
+    return counts
+
+
+def _run_on_ray(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], configs: dict[str, RunConfig],
+                out: Path, settings: Settings, ray: RayOptions, log: Callable[[str], Any]) -> dict[str, int]:
+    """The unfinished cells as Ray tasks. Federated victims are captured first, here on the driver:
+    Flower's simulation starts and stops a Ray of its own, so it cannot run beside ours or in a task."""
+    todo = []
+    skipped = 0
+    for _, cell in selected:
+        run_dir = cell_dir(out, cell)
+        if run_state(run_dir) == "finished":
+            skipped += 1
+            log(f"[dim]{cell.key}: finished, skipped[/dim]")
+            continue
+        todo.append((cell, configs[cell.key], run_dir))
+    if not todo:
+        return {"skipped": skipped}
+    if settings.victim_source == "federated":
+        for cell, cfg, _ in todo:
+            log(f"[bold]{cell.key}[/bold]: capturing the federated victims")
+            capture_federation(cfg, settings, log)
+    cluster.connect(ray)
+    try:
+        described = cluster.check_resources(ray)
+        log(f"{len(todo)} cell(s) on {ray.where} ({described}): {ray.request}")
+        counts = cluster.run_cells(todo, ray, log, lambda: write_report(experiments, selected, out, settings))
+    except BaseException:
+        write_report(experiments, selected, out, settings)  # whatever finished is in the report
+        raise
+    finally:
+        cluster.disconnect()
+    return {**counts, "skipped": skipped}
+
+
+def run_experiments(
+    experiments: list[Experiment],
+    out: str | Path,
+    settings: Settings,
+    log: Callable[[str], Any] = print,
+    ray: RayOptions | None = None,
+) -> dict[str, Any]:
+    """Run (or skip) every selected cell, then write the report. Returns counts and the report path.
+    With ``ray``, the unfinished cells run as Ray tasks (:mod:`.cluster`), the report grows as they finish."""
+    out = Path(out)
+    if settings.victim_source == "federated":
+        settings = replace(settings, federation_dir=str(out / "federations"))
+    selected = select_cells(experiments, settings)
+    if not selected:
+        raise ExperimentError("no cell matches --cells " + " ".join(settings.cells) if settings.cells else
+                              "the experiments hold no cell to run (optional cells need --include-optional)")
+    configs = {cell.key: build_cell_config(exp, cell, settings) for exp, cell in selected}  # validate all first
+    for _, cell in selected:
+        run_dir = cell_dir(out, cell)
+        if run_dir.exists():
+            diff = _config_diff(run_dir, configs[cell.key])
+            if diff:
+                raise ExperimentError(
+                    f"{run_dir} holds a run with other settings ({'; '.join(diff[:3])}); use another --out or "
+                    f"remove that folder")
+    if ray is not None:
+        ray.check()
+        if settings.device not in ("auto", "cpu") and ray.gpus_per_task == 0:
+            raise cluster.ClusterError(f"--device {settings.device} on Ray needs a GPU per task: set --ray-gpus-per-task "
+                                       f"(e.g. 0.25 to share one GPU among four cells)")
+        cluster.check_address(ray)  # an address nothing listens at fails before any work
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    counts = {"ran": 0, "skipped": 0, "failed": 0}
+    if ray is None:
+        counts.update(_run_sequential(experiments, selected, configs, out, settings, log))
+    else:
+        counts.update(_run_on_ray(experiments, selected, configs, out, settings, ray, log))
     if settings.accuracy:
         run_accuracy(out, selected, settings, log)
     report = write_report(experiments, selected, out, settings)
