@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from fedsim.net import call_with_deadline
+
 from ..config import RunConfig
 from .spec import Cell, ExperimentError
 
@@ -97,24 +99,15 @@ def _host_port(address: str) -> tuple[str, int] | None:
 def probe_tcp(host: str, port: int, timeout_s: float) -> None:
     """Open a TCP connection to host:port within ``timeout_s`` seconds (name lookup included, in a
     daemon thread joined with a deadline), else raise ClusterError."""
-    outcome: list[BaseException | None] = []
-
-    def connect() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            outcome.append(exc)
-
-    thread = threading.Thread(target=connect, name="ray-address-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
-        raise ClusterError(f"the Ray cluster at {host}:{port} did not answer within {timeout_s:g} s")
-    if outcome[0] is not None:
-        reason = outcome[0].strerror if isinstance(outcome[0], OSError) and outcome[0].strerror else outcome[0]
+    try:
+        call_with_deadline(lambda: socket.create_connection((host, port), timeout=timeout_s).close(), timeout_s,
+                           "ray-address-probe")
+    except TimeoutError:
+        raise ClusterError(f"the Ray cluster at {host}:{port} did not answer within {timeout_s:g} s") from None
+    except OSError as exc:
+        reason = exc.strerror or exc
         raise ClusterError(f"cannot reach the Ray cluster at {host}:{port}: {reason} (is `ray start --head` running "
-                           f"there, and is the port right: 6379 for HOST:PORT, 10001 for ray://?)")
+                           f"there, and is the port right: 6379 for HOST:PORT, 10001 for ray://?)") from None
 
 
 def check_address(opts: RayOptions) -> None:
@@ -155,24 +148,14 @@ def connect(opts: RayOptions) -> None:
                 raise ClusterError(f"could not start a local Ray: {_one_line(err)}") from None
             return
         # An existing cluster: ray.init can wait for minutes on a port that is not Ray's; bound it.
-        outcome: list[BaseException | None] = []
-
-        def init() -> None:
-            try:
-                ray.init(**kwargs)
-                outcome.append(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                outcome.append(exc)
-
-        thread = threading.Thread(target=init, name="ray-connect", daemon=True)
-        thread.start()
-        thread.join(opts.connect_timeout_s)
-    if not outcome:
-        raise ClusterError(f"could not connect to {opts.where} within {opts.connect_timeout_s:g} s (is it a Ray "
-                           f"head? HOST:PORT is the GCS port, 6379 by default, ray://HOST:10001 the Ray Client port; "
-                           f"a busy head may need a longer --ray-timeout)")
-    if outcome[0] is not None:
-        raise ClusterError(f"could not connect to {opts.where}: {_one_line(outcome[0])}")
+        try:
+            call_with_deadline(lambda: ray.init(**kwargs), opts.connect_timeout_s, "ray-connect")
+        except TimeoutError:
+            raise ClusterError(f"could not connect to {opts.where} within {opts.connect_timeout_s:g} s (is it a Ray "
+                               f"head? HOST:PORT is the GCS port, 6379 by default, ray://HOST:10001 the Ray Client "
+                               f"port; a busy head may need a longer --ray-timeout)") from None
+        except BaseException as err:  # noqa: BLE001 - whatever ray.init raised, in one line
+            raise ClusterError(f"could not connect to {opts.where}: {_one_line(err)}") from None
 
 
 def _one_line(err: BaseException) -> str:
@@ -254,22 +237,13 @@ def _check_alive(timeout_s: float) -> None:
     """Raise ClusterLostError when the cluster does not answer a node listing within ``timeout_s``."""
     import ray
 
-    outcome: list[Any] = []
-
-    def ask() -> None:
-        try:
-            outcome.append(sum(1 for n in ray.nodes() if n.get("Alive")))
-        except BaseException as exc:  # noqa: BLE001
-            outcome.append(exc)
-
-    thread = threading.Thread(target=ask, name="ray-health", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
-        raise ClusterLostError(f"the Ray cluster stopped answering (no reply within {timeout_s:g} s)")
-    if isinstance(outcome[0], BaseException):
-        raise ClusterLostError(f"the Ray cluster stopped answering: {_one_line(outcome[0])}")
-    if outcome[0] == 0:
+    try:
+        alive = call_with_deadline(lambda: sum(1 for n in ray.nodes() if n.get("Alive")), timeout_s, "ray-health")
+    except TimeoutError:
+        raise ClusterLostError(f"the Ray cluster stopped answering (no reply within {timeout_s:g} s)") from None
+    except BaseException as exc:  # noqa: BLE001 - any failure of the listing means the cluster is gone
+        raise ClusterLostError(f"the Ray cluster stopped answering: {_one_line(exc)}") from None
+    if alive == 0:
         raise ClusterLostError("the Ray cluster has no alive node left")
 
 
