@@ -186,3 +186,16 @@ def test_a_corrupt_capture_in_a_live_attack_is_skipped(tmp_path: Path) -> None:
     jobs, _, skipped = jobs_from_captures([first, second], run, skip_bad=True)
     assert len(jobs) == 1 and len(skipped) == 1 and "corrupt" in skipped[0]
     shutil.rmtree(run)
+
+
+def test_live_watch_attacks_update_captures(tmp_path: Path) -> None:
+    from attacker.config import parse_config
+    from attacker.live import watch
+
+    run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
+    (run / "results.json").write_text("{}")  # the federation has finished: the watch ends after one pass
+    cfg = parse_config({"victims": {"source": "captures", "captures": str(run)}, "attacks": ["wiig", "dia"],
+                        "attack_overrides": {"max_iterations": 3}, "lpips": False})
+    summaries = watch(run, tmp_path / "live", cfg, poll_s=0.01, log=lambda m: None)
+    assert len(summaries) == 1 and len(summaries[0]["rows"]) == 4
+    assert {r["batch_size"] for r in summaries[0]["rows"]} == {4}
