@@ -153,6 +153,8 @@ def _edit_capture(run: Path, change) -> None:
     (lambda m: m["hyperparameters"].update(optimizer="rmsprop"), "optimizer must be one of"),
     (lambda m: m["hyperparameters"].pop("lr"), "lack lr"),
     (lambda m: m.update(local_steps=7), "the client reported 7"),
+    (lambda m: (m["hyperparameters"].update({"batch-order": "shuffled", "local-epochs": 2}), m.update(local_steps=8)),
+     "shuffled across 2 epochs"),
 ])
 def test_bad_update_captures_give_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], change, words) -> None:
     run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
