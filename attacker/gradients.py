@@ -109,13 +109,14 @@ def factor_targets(target: Tensor, max_rank: int, chunk: int = 16) -> tuple[Tens
     Omega with K columns, Q = qr(Y), C = Q^T G; when the numerical rank of C is below K the sketch has
     caught the whole range of G, and the SVD of C (through a QR of C^T, so only a K x K matrix is
     decomposed) gives factors cut at that rank (singular values under 16 epsilons of the target's
-    dtype times the largest are rounding noise). K grows 8, 32, ..., max_rank + 8 until a rank gap
+    dtype, relative to the largest, are rounding noise). K grows 8, 32, ..., max_rank + 8 until a rank gap
     shows or the rank is past max_rank. Deterministic (fixed seed), and on the
     target's device."""
     V, out_f, in_f = target.shape
     full = min(out_f, in_f)
     work = torch.float64 if target.device.type in ("cpu", "cuda") else target.dtype
-    eps = torch.finfo(target.dtype).eps
+    # Rounding noise: the target's own (float32 data), or the working precision's over a dot product.
+    eps = max(torch.finfo(target.dtype).eps, torch.finfo(work).eps * max(out_f, in_f))
     gen = torch.Generator(device=target.device).manual_seed(0)
     lefts, rights = [], []
     for start in range(0, V, chunk):

@@ -21,6 +21,11 @@ def test_factors_are_exact_and_cut_at_the_rank():
     assert err.max() < FACTOR_RTOL
     assert recon[3].abs().max() == 0  # a zero target stays zero
     assert left.dtype == target.dtype and left.device == target.device
+    target64 = torch.stack([torch.randn(40, r, generator=g, dtype=torch.float64)
+                            @ torch.randn(r, 30, generator=g, dtype=torch.float64) for r in ranks])
+    left64, right64 = factor_targets(target64, max_rank=10)  # float64 in, float64 out, rank cut as well
+    assert left64.dtype == torch.float64 and left64.shape == (4, 40, 7)
+    assert (left64 @ right64.transpose(1, 2) - target64).abs().max() < 1e-10 * target64.abs().max()
 
 
 def test_full_rank_and_non_finite_targets_stay_dense():
