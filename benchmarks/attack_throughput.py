@@ -10,9 +10,10 @@ memory, for the dense targets ("before") and the factored low-rank targets ("aft
     .venv/bin/python benchmarks/attack_throughput.py --device cuda  # on a GPU machine
 
 Absolute figures drift by tens of percent between runs on shared machines; the ratios are what to
-quote. Each figure is the best of a few short repeats (other load only adds time). Prints figures;
-asserts nothing. FLOPs per iteration are counted by torch's FlopCounterMode on one iteration of
-each setting. Peak memory: the process's peak RSS during the setting (Linux; reset before each
+quote. The baseline, dense and factored paths are timed in turns, and each figure is the best of a
+few short repeats (other load only adds time); the baseline's is the best over the model's block,
+which errs on its side. Prints figures; asserts nothing. FLOPs per iteration are counted by torch's
+FlopCounterMode on one iteration of each setting. Peak memory: the process's peak RSS during the setting (Linux; reset before each
 setting) on the CPU, torch.cuda.max_memory_allocated on a GPU. The one-off factoring of the targets
 (once per group of jobs, before the first iteration) is printed beside each factored row, not
 counted in its iterations.
@@ -47,14 +48,17 @@ DEFAULT_JOBS = {"mlp": [1, 32, 128], "lenet": [1, 32, 128], "vit": [1, 8, 16], "
 
 
 def gemm_peak(device: torch.device, n: int = 2048, reps: int = 5) -> float:
+    """fp32 GFLOP/s of an n x n matrix product, the best of ``reps``."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
-    _sync(device)
-    start = time.perf_counter()
+    best = float("inf")
     for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
         a @ b
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
 
 
 def _sync(device: torch.device) -> None:
@@ -141,22 +145,6 @@ def count_flops(step) -> float:
     return float(counter.get_total_flops())
 
 
-def time_steps(step, iterations: int, repeats: int, device: torch.device) -> float:
-    """Seconds per call of step: the best of ``repeats`` runs of ``iterations`` calls, after 2
-    warm-up calls (the best, because on a shared machine other load only ever adds time)."""
-    for _ in range(2):
-        step()
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(iterations):
-            step()
-        _sync(device)
-        best = min(best, (time.perf_counter() - start) / iterations)
-    return best
-
-
 HEADER = (f"{'model':<9}{'V':>5}  {'path':<10}{'victim-it/s':>12}{'x baseline':>11}{'ms/iter':>9}"
           f"{'GFLOP/iter':>11}{'GFLOP/s':>9}{'% peak':>8}{'peak GB':>9}")
 
@@ -169,48 +157,72 @@ def row(name: str, v: int, path: str, rate: float, ratio: float | None, dt: floa
 
 def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: torch.device, peak: float,
                 memory: PeakMemory) -> list[dict]:
+    """One model's rows. The baseline, the dense and the factored paths are timed in turns (one
+    repeat of each, then the next), so that load from elsewhere falls on all three alike; each
+    figure is its best repeat, the baseline's the best over the whole model block."""
     model, dataset = SETTINGS[name]
     sync = lambda: _sync(device)  # noqa: E731
-    out = []
     # The baseline: the first few of the same jobs, each alone, from the engine's initial state.
     nb = args.baseline_victims
     memory.reset()
     attacks = plain_attacks(make_module(model, dataset, nb, device, args.batch_size), nb, device)
     for _ in range(2):
-        attacks[0].step()  # warm-up (changes job 0's start a little; the timing is what is used here)
+        attacks[0].step()  # warm-up (changes job 0's start a little; only the timing is used here)
     flops_b = count_flops(attacks[0].step)
-    seconds = min(run_plain(attacks, args.iterations, sync)[0] for _ in range(args.repeats))
-    base_rate = nb * args.iterations / seconds
-    dt_b = seconds / (nb * args.iterations)
-    print(row(name, 1, "baseline", base_rate, None, dt_b, flops_b, peak, memory.peak_gb()), flush=True)
-    out.append({"model": name, "V": 1, "path": "baseline", "rate": base_rate})
-    del attacks
+    mem_b = memory.peak_gb()
+    base_times: list[float] = []  # seconds per victim-iteration
+
+    def time_baseline() -> None:
+        base_times.append(run_plain(attacks, args.iterations, sync)[0] / (nb * args.iterations))
+
+    time_baseline()
+    rows = []
     for v in jobs:
         memory.reset()
         module = make_module(model, dataset, v, device, args.batch_size)
-        module.ghost.factored = False
+        ghost = module.ghost
         step = lambda: engine_step(module)  # noqa: E731
-        dt = time_steps(step, args.iterations, args.repeats, device)
-        flops = count_flops(step)
-        mem = memory.peak_gb()
-        print(row(name, v, "dense", v / dt, v / dt / base_rate, dt, flops, peak, mem), flush=True)
-        out.append({"model": name, "V": v, "path": "dense", "rate": v / dt})
+        ghost.factored = False  # the dense targets: the engine before factoring
+        for _ in range(2):
+            step()
+        flops_d, mem_d = count_flops(step), memory.peak_gb()
         memory.reset()
-        module.ghost.factored = True
+        ghost.factored = True
         targets = [getattr(module, f"target_{i}") for i in range(module.num_params)]
+        sync()
         start = time.perf_counter()
-        module.ghost.set_targets(targets)  # all jobs active: what the engine's first step would do
+        ghost.set_targets(targets)  # all jobs active: what the engine's first step does
         sync()
         factor_s = time.perf_counter() - start
-        dt = time_steps(step, args.iterations, args.repeats, device)
-        flops = count_flops(step)
-        mem = memory.peak_gb()
-        used = module.ghost.used_factors
-        weights = sum(1 for m, _ in module.ghost.layers if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
-        print(row(name, v, "factored", v / dt, v / dt / base_rate, dt, flops, peak, mem)
-              + f"   ({len(used)}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)", flush=True)
-        out.append({"model": name, "V": v, "path": "factored", "rate": v / dt})
-        del module, step
+        for _ in range(2):
+            step()
+        flops_f, mem_f = count_flops(step), memory.peak_gb()
+        used = len(ghost.used_factors)
+        weights = sum(1 for m, _ in ghost.layers if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for factored in (False, True):  # the flag alone switches paths; the factors stay cached
+                ghost.factored = factored
+                step()
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.iterations):
+                    step()
+                sync()
+                times[factored].append((time.perf_counter() - start) / args.iterations)
+            time_baseline()
+        rows.append((v, min(times[False]), flops_d, mem_d, min(times[True]), flops_f, mem_f, used, weights, factor_s))
+        del module, ghost, step
+    dt_b = min(base_times)
+    base_rate = 1 / dt_b
+    print(row(name, 1, "baseline", base_rate, None, dt_b, flops_b, peak, mem_b), flush=True)
+    out = [{"model": name, "V": 1, "path": "baseline", "rate": base_rate}]
+    for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s in rows:
+        print(row(name, v, "dense", v / dt_d, v / dt_d / base_rate, dt_d, flops_d, peak, mem_d), flush=True)
+        print(row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak, mem_f)
+              + f"   ({used}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)", flush=True)
+        out += [{"model": name, "V": v, "path": "dense", "rate": v / dt_d},
+                {"model": name, "V": v, "path": "factored", "rate": v / dt_f}]
     return out
 
 
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     memory = PeakMemory(device)
     peak = gemm_peak(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s (2048^3, measured now); "
+    print(f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s (2048^3, best of 5, measured now); "
           f"B = {args.batch_size}, DIA, best of {args.repeats} x {args.iterations} timed iterations per setting")
     print(f"baseline: the plain loop, one victim at a time ({args.baseline_victims} of the same jobs in turn); "
           "'x baseline' = victim-it/s over the baseline's, this run")
