@@ -109,9 +109,9 @@ def factor_targets(target: Tensor, max_rank: int, chunk: int = 16) -> tuple[Tens
     Omega with K columns, Q = qr(Y), C = Q^T G; when the numerical rank of C is below K the sketch has
     caught the whole range of G, and the SVD of C (through a QR of C^T, so only a K x K matrix is
     decomposed) gives factors cut at that rank (singular values under 16 epsilons of the target's
-    dtype, relative to the largest, are rounding noise). K grows 8, 32, ..., max_rank + 8 until a rank gap
-    shows or the rank is past max_rank. Deterministic (fixed seed), and on the
-    target's device."""
+    dtype, relative to the largest, are rounding noise). K grows 8, 32, ..., max_rank + 8 until a
+    rank gap shows or the rank is past max_rank. Deterministic (fixed seed), on the target's device;
+    ``chunk`` jobs at a time bound the float64 copies."""
     V, out_f, in_f = target.shape
     full = min(out_f, in_f)
     work = torch.float64 if target.device.type in ("cpu", "cuda") else target.dtype
@@ -180,7 +180,8 @@ class PerJobGradients:
             covered.update(id(p) for p in own.values())
         self.targets: list[Tensor] = []
         self.target_norm2: Tensor | None = None
-        # Factored low-rank targets (see factor_targets): on by default; off gives the dense path.
+        # Factored low-rank targets (see factor_targets): on by default; off gives the dense path
+        # (factors are made by set_targets while it is on, and kept when it is switched off and on).
         self.factored = True
         self.factors: dict[int, tuple[Tensor, Tensor]] = {}  # parameter index -> (L, R), active jobs
         self._factored_source: list[Tensor] | None = None  # the targets the cached factors are of
