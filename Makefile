@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,12 @@ test: setup
 demo: setup
 	$(BIN)/attacker demo
 
+# make bench BENCH_ARGS="--threads 1"   (options: benchmarks/attack_throughput.py --help)
 bench: setup
-	$(BIN)/python benchmarks/attack_throughput.py
+	$(BIN)/python benchmarks/attack_throughput.py $(BENCH_ARGS)
+
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -12,6 +12,13 @@ assemble each job's parameter-gradient terms from deltas and the layer inputs:
   LayerNorm / GroupNorm: g_w = sum delta * x_hat, g_b = sum delta   (materialized: they are small)
   TokenEmbedding (ViT cls token and position embedding): sums of delta over the job's images.
 The double backward then flows through ordinary batched matrix products.
+
+Low-rank targets (the memory-bound regime left behind): a captured one-step gradient of a Linear
+layer is itself sum_s delta*_s a*_s^T over the victim's rows, so its rank is at most B*T. Such a
+target is factored once, exactly (G*_j = L_j R_j^T up to float rounding, see ``factor_targets``),
+and <g_j, G*_j> = sum_t (L_j^T delta_t).(R_j^T a_t) never reads the weight-sized target again.
+Each layer takes the factored or the dense form by a FLOP/bytes estimate (``_dot_costs``); the
+dense form stays for targets whose rank is not small (early convolutions, ViT layers at B >= 4).
 """
 
 from __future__ import annotations
@@ -42,17 +49,109 @@ class MatchTerms:
     names: list[str]
 
 
-def _linear_terms(d: Tensor, a: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """d: (V, R, out), a: (V, R, in), target: (V, out, in) -> dot (V,), norm2 (V,)."""
+# Bytes are weighed as this many FLOPs in the per-layer choice: roughly the fp32 FLOPs a CPU or
+# GPU core does in the time it streams one byte (GEMM peak / memory bandwidth); only the order of
+# magnitude matters, the costs it separates differ by far more.
+FLOPS_PER_BYTE = 8.0
+# Relative Frobenius error a factored target may have against the dense one (float32 rounding of a
+# sum is about 1e-7 per term); beyond it the layer stays dense.
+FACTOR_RTOL = 1e-5
+
+
+def _dot_costs(rows: int, out_f: int, in_f: int, rank: int | None, gram: bool) -> tuple[float, float]:
+    """Estimated cost of <g, G*> per job for one layer: (dense, factored), in FLOPs plus weighted
+    bytes (fp32), forward only (the double backward scales with it). Factored is inf without factors."""
+    if gram:  # dense: (d @ G*) . a, streaming the target
+        dense = 2.0 * rows * out_f * in_f + FLOPS_PER_BYTE * 4 * out_f * in_f
+    else:  # dense: g (built anyway for ||g||^2) . G*
+        dense = 2.0 * out_f * in_f + FLOPS_PER_BYTE * 4 * 2 * out_f * in_f
+    if rank is None:
+        return dense, float("inf")
+    factored = 2.0 * rows * rank * (out_f + in_f) + FLOPS_PER_BYTE * 4 * (rows + rank) * (out_f + in_f)
+    return dense, factored
+
+
+def _linear_terms(
+    d: Tensor, a: Tensor, target: Tensor, factors: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor, bool]:
+    """d: (V, R, out), a: (V, R, in), target: (V, out, in) -> dot (V,), norm2 (V,), factors used.
+    factors: (L, Rt) with target = L @ Rt^T, L: (V, out, k), Rt: (V, in, k), or None."""
     rows, out_f, in_f = d.shape[1], d.shape[2], a.shape[2]
-    if rows * (out_f + in_f) < out_f * in_f:
-        dot = ((d @ target) * a).sum((1, 2))
+    gram = rows * (out_f + in_f) < out_f * in_f
+    dense, factored = _dot_costs(rows, out_f, in_f, None if factors is None else factors[0].shape[2], gram)
+    g = None
+    if gram:
         norm2 = ((d @ d.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum((1, 2))
     else:
         g = d.transpose(1, 2) @ a
-        dot = (g * target).sum((1, 2))
         norm2 = (g * g).sum((1, 2))
-    return dot, norm2
+    if factors is not None and factored < dense:
+        left, right = factors
+        return ((d @ left) * (a @ right)).sum((1, 2)), norm2, True
+    if g is None:
+        return ((d @ target) * a).sum((1, 2)), norm2, False
+    return (g * target).sum((1, 2)), norm2, False
+
+
+def useful_rank(out_f: int, in_f: int) -> int:
+    """The largest rank at which factors are cheaper to store and stream than the dense target."""
+    return int(0.75 * out_f * in_f / (out_f + in_f))
+
+
+@torch.no_grad()
+def factor_targets(target: Tensor, max_rank: int, chunk: int = 16) -> tuple[Tensor, Tensor] | None:
+    """Exact low-rank factors of V target matrices, or None when some job's rank exceeds max_rank.
+
+    target: (V, out, in). Returns (L, R), L: (V, out, k), R: (V, in, k), with target[j] = L[j] R[j]^T
+    up to float rounding (checked: relative Frobenius error <= FACTOR_RTOL for every job, else None;
+    None as well when a target holds inf or nan).
+    How: a randomized range finder (Halko, Martinsson & Tropp), in float64: Y = G Omega for a Gaussian
+    Omega with K columns, Q = qr(Y), C = Q^T G; when the numerical rank of C is below K the sketch has
+    caught the whole range of G, and the SVD of C (through a QR of C^T, so only a K x K matrix is
+    decomposed) gives factors cut at that rank (singular values under 16 epsilons of the target's
+    dtype, relative to the largest, are rounding noise). K grows 8, 32, ..., max_rank + 8 until a
+    rank gap shows or the rank is past max_rank. Deterministic (fixed seed), on the target's device;
+    ``chunk`` jobs at a time bound the float64 copies."""
+    V, out_f, in_f = target.shape
+    full = min(out_f, in_f)
+    work = torch.float64 if target.device.type in ("cpu", "cuda") else target.dtype
+    # Rounding noise: the target's own (float32 data), or the working precision's over a dot product.
+    eps = max(torch.finfo(target.dtype).eps, torch.finfo(work).eps * max(out_f, in_f))
+    gen = torch.Generator(device=target.device).manual_seed(0)
+    lefts, rights = [], []
+    for start in range(0, V, chunk):
+        G = target[start : start + chunk].to(work)
+        norm2 = torch.linalg.vector_norm(G, dim=(1, 2)).pow(2)
+        if not bool(torch.isfinite(norm2).all()):
+            return None  # a non-finite target stays dense: its job diverges as it would without factors
+        K = 8
+        while True:
+            Kc = min(K, full)
+            omega = torch.randn(in_f, Kc, generator=gen, device=G.device, dtype=work)
+            Q, _ = torch.linalg.qr(G @ omega)  # (n, out, Kc): the sketched range
+            # C = Q^T G (Kc x in) = R2^T Q2^T by a QR of C^T; the SVD is then of the small Kc x Kc R2^T.
+            Q2, R2 = torch.linalg.qr(G.transpose(1, 2) @ Q)
+            U, S, Wh = torch.linalg.svd(R2.transpose(1, 2))
+            rank = int((S > 16 * eps * S[:, :1]).sum(1).max())
+            if rank < Kc or Kc == full:
+                break
+            if Kc > max_rank:
+                return None
+            K = min(4 * K, max_rank + 8)
+        if rank > max_rank:
+            return None
+        # ||G - L R^T||^2 = ||G||^2 - ||Q^T G||^2 (what the sketch missed) + the cut singular values^2
+        # = ||G||^2 - sum of the kept S^2 (Q orthonormal); float64 resolves it to ~1e-8 relative.
+        err2 = norm2 - S[:, :rank].pow(2).sum(1)
+        if bool((err2 > FACTOR_RTOL**2 * norm2).any()):
+            return None
+        left = (Q @ U[:, :, :rank]) * S[:, None, :rank]
+        right = Q2 @ Wh[:, :rank].transpose(1, 2)
+        lefts.append(left)
+        rights.append(right)
+    k = max(t.shape[2] for t in lefts)  # pad every chunk to the largest rank (zero columns add nothing)
+    pad = lambda t: F.pad(t, (0, k - t.shape[2])).to(target.dtype)  # noqa: E731
+    return torch.cat([pad(t) for t in lefts]), torch.cat([pad(t) for t in rights])
 
 
 def _dense_terms(g: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -81,6 +180,13 @@ class PerJobGradients:
             covered.update(id(p) for p in own.values())
         self.targets: list[Tensor] = []
         self.target_norm2: Tensor | None = None
+        # Factored low-rank targets (see factor_targets): on by default; off gives the dense path
+        # (factors are made by set_targets while it is on, and kept when it is switched off and on).
+        self.factored = True
+        self.factors: dict[int, tuple[Tensor, Tensor]] = {}  # parameter index -> (L, R), active jobs
+        self._factored_source: list[Tensor] | None = None  # the targets the cached factors are of
+        self._all_factors: dict[int, tuple[Tensor, Tensor]] = {}
+        self.used_factors: set[str] = set()  # parameters whose <g, G*> the last compute() took factored
 
     @staticmethod
     def check(model: nn.Module) -> str | None:
@@ -91,12 +197,42 @@ class PerJobGradients:
             return str(err)
         return None
 
-    def set_targets(self, targets: list[Tensor]) -> None:
-        """targets[p]: (V, *param_shape), the jobs' target gradients stacked per parameter."""
+    def set_targets(self, targets: list[Tensor], jobs: Tensor | None = None) -> None:
+        """targets[p]: (V, *param_shape), the jobs' target gradients stacked per parameter; jobs: the
+        indices of the jobs to compute (default all). Low-rank weight targets are factored once per
+        set of target tensors: calling again with the same tensors and fewer jobs only selects rows."""
         if len(targets) != len(self.names):
             raise ValueError(f"expected {len(self.names)} target gradients, got {len(targets)}")
+        factors: dict[int, tuple[Tensor, Tensor]] = {}
+        if self.factored:
+            source = self._factored_source
+            if source is None or len(source) != len(targets) or any(a is not b for a, b in zip(source, targets)):
+                self._all_factors = self._factor(targets)
+                self._factored_source = list(targets)
+            factors = self._all_factors
+        if jobs is not None:
+            targets = [t.index_select(0, jobs) for t in targets]
+            factors = {i: (f[0].index_select(0, jobs), f[1].index_select(0, jobs)) for i, f in factors.items()}
         self.targets = targets
+        self.factors = factors
         self.target_norm2 = torch.stack([t.reshape(t.shape[0], -1).pow(2).sum(1) for t in targets])
+
+    def _factor(self, targets: list[Tensor]) -> dict[int, tuple[Tensor, Tensor]]:
+        """Exact factors of every Linear / Conv2d weight target whose rank makes them cheaper."""
+        out: dict[int, tuple[Tensor, Tensor]] = {}
+        for module, params in self.layers:
+            if not isinstance(module, (nn.Linear, nn.Conv2d)):
+                continue
+            i = params["weight"]
+            t = targets[i].reshape(targets[i].shape[0], targets[i].shape[1], -1)
+            found = factor_targets(t, useful_rank(t.shape[1], t.shape[2]))
+            if found is not None:
+                out[i] = found
+        return out
+
+    def factored_layers(self) -> dict[str, int]:
+        """Parameter name -> rank of its factored target, for the layers that have factors."""
+        return {self.names[i]: f[0].shape[2] for i, f in self.factors.items()}
 
     def compute(self, x: Tensor, labels: Tensor, num_jobs: int) -> MatchTerms:
         captured: list[tuple[Tensor, Tensor]] = []
@@ -114,6 +250,7 @@ class PerJobGradients:
         # Each job's loss is the mean cross-entropy over its own images, as the client computed it.
         loss = F.cross_entropy(logits, labels, reduction="none").view(num_jobs, -1).mean(1).sum()
         deltas = torch.autograd.grad(loss, [out for _, out in captured], create_graph=True)
+        self.used_factors = set()
         dots: list[Tensor | None] = [None] * len(self.names)
         norms: list[Tensor | None] = [None] * len(self.names)
         V = num_jobs
@@ -123,13 +260,19 @@ class PerJobGradients:
         assert self.target_norm2 is not None, "set_targets first"
         return MatchTerms(torch.stack(dots), torch.stack(norms), self.target_norm2, self.names)  # type: ignore[arg-type]
 
+    def _weight_terms(self, d: Tensor, a: Tensor, target: Tensor, index: int) -> tuple[Tensor, Tensor]:
+        dot, norm2, used = _linear_terms(d, a, target, self.factors.get(index) if self.factored else None)
+        if used:
+            self.used_factors.add(self.names[index])
+        return dot, norm2
+
     def _layer_terms(self, module: nn.Module, params: dict[str, int], inp: Tensor, d: Tensor, V: int):
         t = self.targets
         terms = {}
         if isinstance(module, nn.Linear):
             a = inp.reshape(V, -1, inp.shape[-1])
             dd = d.reshape(V, -1, d.shape[-1])
-            terms["weight"] = _linear_terms(dd, a, t[params["weight"]])
+            terms["weight"] = self._weight_terms(dd, a, t[params["weight"]], params["weight"])
             if "bias" in params:
                 terms["bias"] = _dense_terms(dd.sum(1), t[params["bias"]])
         elif isinstance(module, nn.Conv2d):
@@ -137,7 +280,7 @@ class PerJobGradients:
             a = cols.transpose(1, 2).reshape(V, -1, cols.shape[1])
             dd = d.flatten(2).transpose(1, 2).reshape(V, -1, d.shape[1])
             w = t[params["weight"]]
-            terms["weight"] = _linear_terms(dd, a, w.reshape(V, w.shape[1], -1))
+            terms["weight"] = self._weight_terms(dd, a, w.reshape(V, w.shape[1], -1), params["weight"])
             if "bias" in params:
                 terms["bias"] = _dense_terms(dd.sum(1), t[params["bias"]])
         elif isinstance(module, nn.LayerNorm):

@@ -221,10 +221,8 @@ class InversionModule(L.LightningModule):
         key = tuple(active)
         if self._targets_for != key:  # jobs stopped: compact the targets once, not every step
             targets = [getattr(self, f"target_{i}") for i in range(self.num_params)]
-            if len(active) < self.V:
-                index = torch.tensor(active, device=self.labels.device)
-                targets = [t.index_select(0, index) for t in targets]
-            self.ghost.set_targets(targets)
+            index = torch.tensor(active, device=self.labels.device) if len(active) < self.V else None
+            self.ghost.set_targets(targets, jobs=index)  # low-rank targets are factored once, then rows picked
             self._targets_for = key
         return self.ghost.compute(x, labels, len(active))
 

@@ -1,118 +1,283 @@
-"""Benchmark: DIA victim-iterations per second and peak memory for V batched jobs (B = 1), the
-achieved GFLOP/s against this machine's fp32 GEMM peak (measured in the same run), and the
-Lightning Trainer's overhead against a plain loop over the same module.
+"""Benchmark: DIA victim-iterations per second of the batched engine as a RATIO to the plain
+one-victim-at-a-time loop (benchmarks/plain_baseline.py), both measured in this process on the
+same jobs; with GFLOP/s against this machine's fp32 GEMM peak (measured in the same run) and peak
+memory, for the dense targets ("before") and the factored low-rank targets ("after").
 
-    .venv/bin/python benchmarks/attack_throughput.py                 # all models, V = 1 8 32 128
-    .venv/bin/python benchmarks/attack_throughput.py --models mlp --jobs 1 128 --iterations 30
+    make bench                                                       # MLP and ViT, short (B = 1)
+    .venv/bin/python benchmarks/attack_throughput.py --models mlp vit lenet resnet18
+    .venv/bin/python benchmarks/attack_throughput.py --models mlp --jobs 1 128 512 --iterations 20
+    .venv/bin/python benchmarks/attack_throughput.py --threads 1     # a machine others are loading too
+    .venv/bin/python benchmarks/attack_throughput.py --device cuda  # on a GPU machine
 
-Prints figures; asserts nothing. FLOPs per iteration are counted by torch's FlopCounterMode on
-one iteration of each setting.
+Absolute figures drift by tens of percent between runs on shared machines; the ratios are what to
+quote. The baseline, dense and factored paths are timed in turns, and each figure is the best of a
+few short repeats (other load only adds time); the baseline's is the best over the model's block,
+which errs on its side. Prints figures; asserts nothing. FLOPs per iteration are counted by torch's
+FlopCounterMode on one iteration of each setting. Peak memory: the process's peak RSS during the setting (Linux; reset before each
+setting) on the CPU, torch.cuda.max_memory_allocated on a GPU. The one-off factoring of the targets
+(once per group of jobs, before the first iteration) is printed beside each factored row, not
+counted in its iterations.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import logging
-import resource
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from attacker.attacks import make_attack
-from attacker.inversion import InversionModule
-from attacker.jobs import jobs_from_images
-from fedsim.models import ModelSpec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plain_baseline import plain_attacks, run_plain  # noqa: E402
+
+from attacker.attacks import make_attack  # noqa: E402
+from attacker.inversion import InversionModule  # noqa: E402
+from attacker.jobs import jobs_from_images  # noqa: E402
+from fedsim.models import ModelSpec  # noqa: E402
 
 SETTINGS = {"mlp": ("mlp", "mnist"), "lenet": ("lenet", "mnist"), "vit": ("vit", "cifar10"), "resnet18": ("resnet18", "cifar10")}
+# Default V per model: a few sizes up to where that model's throughput stops growing on 2 cores.
+DEFAULT_JOBS = {"mlp": [1, 32, 128], "lenet": [1, 32, 128], "vit": [1, 8, 16], "resnet18": [1, 8, 16]}
 
 
-def gemm_peak(n: int = 2048, reps: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_peak(device: torch.device, n: int = 2048, reps: int = 5) -> float:
+    """fp32 GFLOP/s of an n x n matrix product, the best of ``reps``."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
-    start = time.perf_counter()
+    best = float("inf")
     for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
         a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
 
 
-def make_module(model: str, dataset: str, jobs: int) -> InversionModule:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_module(model: str, dataset: str, jobs: int, device: torch.device | str = "cpu", batch_size: int = 1,
+                **attack: float) -> InversionModule:
+    """V DIA jobs on random images; job i is the same job for every V (same image, label, seed).
+    attack: overrides of the DIA preset (make_attack)."""
     spec = ModelSpec(model, dataset, 0.25)
     shape = spec.input_shape
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(1, *shape, generator=g).clamp(-0.4, 2.0), torch.tensor([i % 10])) for i in range(jobs)]
+    batches = [(torch.randn(batch_size, *shape, generator=g).clamp(-0.4, 2.0), torch.tensor([i % 10] * batch_size))
+               for i in range(jobs)]
     vjobs, _ = jobs_from_images(spec, batches)
-    return InversionModule(vjobs, [make_attack("dia")] * jobs, None)
+    return InversionModule(vjobs, [make_attack("dia", **attack)] * jobs, None).to(device)
 
 
-def plain_step(module: InversionModule) -> None:
-    """The same per-iteration work as InversionModule.training_step, without Lightning."""
+def engine_step(module: InversionModule) -> list[float]:
+    """The per-iteration work of InversionModule.training_step without Lightning and without the
+    best-iterate and stopping bookkeeping (the plain baseline leaves those out too)."""
     active = module.active()
     for j in active:
         module.job_optimizers[j].zero_grad(set_to_none=True)
     losses, _ = module.job_losses(active)
     losses.sum().backward()
-    for j in active:
-        module.images[j].grad.sign_()
+    values = losses.detach().cpu().tolist()
+    for j, value in zip(active, values):
+        attack, image = module.attacks[j], module.images[j]
+        if attack.signed_gradients:
+            image.grad.sign_()
         module.job_optimizers[j].step()
+        module.job_schedulers[j].step(value)
+        with torch.no_grad():
+            if attack.boxed:
+                image.copy_(torch.maximum(torch.minimum(image, module.box_high), module.box_low))
+            for kind, k in module.mask_slots[j]:
+                if kind == "learn":
+                    module.learned[k].clamp_(0.0, 1.0)
+    return values
 
 
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+class PeakMemory:
+    """Peak memory of one setting: peak RSS (reset through /proc/self/clear_refs) or CUDA's peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back so RSS restarts low
+        except OSError:
+            pass
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (Linux >= 4.0)
+        except OSError:
+            pass
+
+    def peak_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+        except OSError:
+            pass
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # whole run, not per setting
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--models", nargs="+", default=list(SETTINGS))
-    parser.add_argument("--jobs", nargs="+", type=int, default=[1, 8, 32, 128])
-    parser.add_argument("--iterations", type=int, default=20, help="timed iterations per setting (after 2 warm-up)")
+def count_flops(step) -> float:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return float(counter.get_total_flops())
+
+
+HEADER = (f"{'model':<9}{'V':>5}  {'path':<10}{'victim-it/s':>12}{'x baseline':>11}{'ms/iter':>9}"
+          f"{'GFLOP/iter':>11}{'GFLOP/s':>9}{'% peak':>8}{'peak GB':>9}")
+
+
+def row(name: str, v: int, path: str, rate: float, ratio: float | None, dt: float, flops: float, peak: float, mem: float) -> str:
+    ratio_s = f"{ratio:>10.1f}x" if ratio is not None else f"{'1.0x':>11}"
+    return (f"{name:<9}{v:>5}  {path:<10}{rate:>12.1f}{ratio_s}{dt * 1e3:>9.1f}{flops / 1e9:>11.3f}"
+            f"{flops / dt / 1e9:>9.1f}{100 * flops / dt / 1e9 / peak:>7.0f}%{mem:>9.2f}")
+
+
+def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: torch.device, peak: float,
+                memory: PeakMemory) -> list[dict]:
+    """One model's rows. The baseline, the dense and the factored paths are timed in turns (one
+    repeat of each, then the next), so that load from elsewhere falls on all three alike; each
+    figure is its best repeat, the baseline's the best over the whole model block."""
+    model, dataset = SETTINGS[name]
+    sync = lambda: _sync(device)  # noqa: E731
+    # The baseline: the first few of the same jobs, each alone, from the engine's initial state.
+    nb = args.baseline_victims
+    memory.reset()
+    attacks = plain_attacks(make_module(model, dataset, nb, device, args.batch_size), nb, device)
+    for _ in range(2):
+        attacks[0].step()  # warm-up (changes job 0's start a little; only the timing is used here)
+    flops_b = count_flops(attacks[0].step)
+    mem_b = memory.peak_gb()
+    base_times: list[float] = []  # seconds per victim-iteration
+
+    def time_baseline() -> None:
+        base_times.append(run_plain(attacks, args.iterations, sync)[0] / (nb * args.iterations))
+
+    time_baseline()
+    rows = []
+    for v in jobs:
+        memory.reset()
+        module = make_module(model, dataset, v, device, args.batch_size)
+        ghost = module.ghost
+        step = lambda: engine_step(module)  # noqa: E731
+        ghost.factored = False  # the dense targets: the engine before factoring
+        for _ in range(2):
+            step()
+        flops_d, mem_d = count_flops(step), memory.peak_gb()
+        memory.reset()
+        ghost.factored = True
+        targets = [getattr(module, f"target_{i}") for i in range(module.num_params)]
+        sync()
+        start = time.perf_counter()
+        ghost.set_targets(targets)  # all jobs active: what the engine's first step does
+        sync()
+        factor_s = time.perf_counter() - start
+        for _ in range(2):
+            step()
+        flops_f, mem_f = count_flops(step), memory.peak_gb()
+        used = len(ghost.used_factors)
+        weights = sum(1 for m, _ in ghost.layers if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for factored in (False, True):  # the flag alone switches paths; the factors stay cached
+                ghost.factored = factored
+                step()
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.iterations):
+                    step()
+                sync()
+                times[factored].append((time.perf_counter() - start) / args.iterations)
+            time_baseline()
+        rows.append((v, min(times[False]), flops_d, mem_d, min(times[True]), flops_f, mem_f, used, weights, factor_s))
+        del module, ghost, step
+    dt_b = min(base_times)
+    base_rate = 1 / dt_b
+    print(row(name, 1, "baseline", base_rate, None, dt_b, flops_b, peak, mem_b), flush=True)
+    out = [{"model": name, "V": 1, "path": "baseline", "rate": base_rate}]
+    for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s in rows:
+        print(row(name, v, "dense", v / dt_d, v / dt_d / base_rate, dt_d, flops_d, peak, mem_d), flush=True)
+        print(row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak, mem_f)
+              + f"   ({used}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)", flush=True)
+        out += [{"model": name, "V": v, "path": "dense", "rate": v / dt_d},
+                {"model": name, "V": v, "path": "factored", "rate": v / dt_f}]
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "vit"], choices=list(SETTINGS))
+    parser.add_argument("--jobs", nargs="+", type=int, help="V values for every model (default: per model, "
+                        + ", ".join(f"{m} {' '.join(map(str, v))}" for m, v in DEFAULT_JOBS.items()) + ")")
+    parser.add_argument("--iterations", type=int, default=4, help="timed iterations per repeat, after 2 warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per setting; the best one counts")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, the number of cores)")
+    parser.add_argument("--baseline-victims", type=int, default=4, help="victims the plain loop runs, one after another")
+    parser.add_argument("--batch-size", type=int, default=1, help="images per victim job (B)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--lightning", action="store_true", help="also time the Lightning Trainer against the plain loop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    torch.set_num_threads(torch.get_num_threads())
-    peak = gemm_peak()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 GEMM peak {peak:.0f} GFLOP/s")
-    print(f"{'model':<10}{'V':>5}{'victim-it/s':>13}{'ms/iter':>10}{'GFLOP/iter':>12}{'GFLOP/s':>9}{'% peak':>8}{'peak RSS GB':>13}")
-    from torch.utils.flop_counter import FlopCounterMode
-
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    memory = PeakMemory(device)
+    peak = gemm_peak(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s (2048^3, best of 5, measured now); "
+          f"B = {args.batch_size}, DIA, best of {args.repeats} x {args.iterations} timed iterations per setting")
+    print(f"baseline: the plain loop, one victim at a time ({args.baseline_victims} of the same jobs in turn); "
+          "'x baseline' = victim-it/s over the baseline's, this run")
+    print(HEADER)
+    results = []
     for name in args.models:
-        model, dataset = SETTINGS[name]
-        for v in args.jobs:
-            module = make_module(model, dataset, v)
-            for _ in range(2):
-                plain_step(module)
-            counter = FlopCounterMode(display=False)
-            with counter:
-                plain_step(module)
-            flops = counter.get_total_flops()
-            start = time.perf_counter()
-            for _ in range(args.iterations):
-                plain_step(module)
-            dt = (time.perf_counter() - start) / args.iterations
-            print(f"{name:<10}{v:>5}{v / dt:>13.0f}{dt * 1e3:>10.1f}{flops / 1e9:>12.3f}{flops / dt / 1e9:>9.1f}"
-                  f"{100 * flops / dt / 1e9 / peak:>7.0f}%{peak_rss_gb():>13.2f}", flush=True)
-            del module
+        results += bench_model(name, args.jobs or DEFAULT_JOBS[name], args, device, peak, memory)
+    end_peak = gemm_peak(device)
+    print(f"fp32 GEMM peak at the end of the run: {end_peak:.0f} GFLOP/s (the % peak column uses {peak:.0f})")
     if args.lightning:
         import lightning as L
 
-        for name in args.models[:1]:
-            model, dataset = SETTINGS[name]
-            v, n = args.jobs[-1], args.iterations * 5
-            module = make_module(model, dataset, v)
-            module.chunk = n
-            trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False)
-            start = time.perf_counter()
-            trainer.fit(module)
-            t_lightning = (time.perf_counter() - start) / n
-            module = make_module(model, dataset, v)
-            start = time.perf_counter()
-            for _ in range(n):
-                plain_step(module)
-            t_plain = (time.perf_counter() - start) / n
-            print(f"Lightning Trainer vs plain loop ({name}, V={v}, {n} iterations): {t_lightning * 1e3:.1f} vs "
-                  f"{t_plain * 1e3:.1f} ms/iteration (overhead {1e3 * (t_lightning - t_plain):.1f} ms, includes fit start-up)")
+        name = args.models[0]
+        model, dataset = SETTINGS[name]
+        v, n = (args.jobs or DEFAULT_JOBS[name])[-1], args.iterations * 5
+        module = make_module(model, dataset, v)
+        module.chunk = n
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        start = time.perf_counter()
+        trainer.fit(module)
+        t_lightning = (time.perf_counter() - start) / n
+        module = make_module(model, dataset, v)
+        start = time.perf_counter()
+        for _ in range(n):
+            engine_step(module)
+        t_plain = (time.perf_counter() - start) / n
+        print(f"Lightning Trainer vs plain loop ({name}, V={v}, {n} iterations): {t_lightning * 1e3:.1f} vs "
+              f"{t_plain * 1e3:.1f} ms/iteration (overhead {1e3 * (t_lightning - t_plain):.1f} ms, includes fit start-up)")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""The benchmarks: the plain baseline (one victim at a time, autograd on the weights) runs the same
+attack as the batched engine (same losses, step by step, from the same start); the GPU check says
+in one line that there is no GPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_check  # noqa: E402
+from attack_throughput import engine_step, make_module  # noqa: E402
+from plain_baseline import plain_attacks, run_plain  # noqa: E402
+
+
+@pytest.mark.parametrize("model,dataset,weights", [
+    ("mlp", "mnist", {}),
+    ("mlp", "mnist", {"tv_weight": 0.1, "lambda_mask": 0.1}),  # large enough that a missing term shows
+    ("lenet", "mnist", {}),
+])
+def test_plain_loop_runs_the_engines_attack(model, dataset, weights):
+    torch.manual_seed(0)
+    V, steps = 2, 3
+    module = make_module(model, dataset, V, **weights)
+    engine = [engine_step(module) for _ in range(steps)]  # engine[i][j]: step i, job j
+    _, plain = run_plain(plain_attacks(make_module(model, dataset, V, **weights), V), steps)  # plain[j][i]
+    for j in range(V):
+        got = torch.tensor(plain[j])
+        want = torch.tensor([engine[i][j] for i in range(steps)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(set(plain[0])) == steps  # the dummies do move
+
+
+def test_gpu_check_without_a_gpu_exits_with_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main() == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "no CUDA GPU" in out.err
