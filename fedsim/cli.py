@@ -143,6 +143,7 @@ def _check_model_and_data(cfg: dict[str, Any]) -> None:
 
     cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())  # as the simulation resolves it
     task.make_model(cfg)
+    task.check_defense(cfg)
     task.load_split(cfg, train=False)
 
 
