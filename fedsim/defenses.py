@@ -130,11 +130,16 @@ def wrap_strategy(strategy: Any, cfg: Mapping[str, Any], num_sampled_clients: in
     return strategy if defense.wrap is None else defense.wrap(strategy, cfg, num_sampled_clients)
 
 
-def check_run(cfg: Mapping[str, Any], state_dtypes: Mapping[str, Any]) -> str | None:
-    """Why the run's defense cannot be applied to this model, or None. ``state_dtypes``: the model's
-    state-dict entries and their dtypes (torch)."""
+def check_run(cfg: Mapping[str, Any], state_dtypes: Mapping[str, Any] | None) -> str | None:
+    """Why the run's strategy or model cannot take its defense, or None. ``state_dtypes``: the model's
+    state-dict entries and their dtypes (torch; needed when the defense ``needs_float_state``)."""
     defense = get_defense(str(cfg["defense"]))
-    if defense.needs_float_state:
+    if defense.wrap is not None and cfg.get("inject-client-failure"):
+        # Flower's DP wrappers skip a round's aggregation when any client failed: the strategy would
+        # neither aggregate nor capture that round, so an injected failure cannot be drilled under them.
+        return (f"defense {defense.name} cannot run with inject-client-failure: Flower's central DP wrapper "
+                "drops a whole round when any client fails")
+    if defense.needs_float_state and state_dtypes is not None:
         ints = [k for k, dtype in state_dtypes.items() if not dtype.is_floating_point]
         if ints:
             return (f"defense {defense.name} cannot run with model {cfg['model']}: Flower's DP clipping scales every "

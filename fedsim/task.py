@@ -34,10 +34,11 @@ def make_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor] | None 
 
 def check_defense(cfg: Mapping[str, Any]) -> None:
     """RunConfigError when the run's defense cannot be applied to its model (fedsim.defenses.check_run)."""
-    if DEFENSES[str(cfg["defense"])].needs_float_state:
-        problem = check_run(cfg, {k: v.dtype for k, v in make_model(cfg).state_dict().items()})
-        if problem:
-            raise RunConfigError(problem)
+    dtypes = ({k: v.dtype for k, v in make_model(cfg).state_dict().items()}
+              if DEFENSES[str(cfg["defense"])].needs_float_state else None)
+    problem = check_run(cfg, dtypes)
+    if problem:
+        raise RunConfigError(problem)
 
 
 @functools.lru_cache(maxsize=4)

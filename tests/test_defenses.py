@@ -184,3 +184,6 @@ def test_dp_needs_a_model_whose_state_flower_can_clip() -> None:
                                      {"fc.weight": torch.float32, "bn1.num_batches_tracked": torch.int64})
         assert problem and "num_batches_tracked" in problem and name in problem
     assert defenses.check_run({"defense": "prune", "model": "resnet18"}, {"bn.num_batches_tracked": torch.int64}) is None
+    problem = defenses.check_run({"defense": "central-dp-server-clipping", "inject-client-failure": "1:0"}, None)
+    assert problem and "drops a whole round" in problem
+    assert defenses.check_run({"defense": "local-dp", "inject-client-failure": "1:0"}, None) is None
