@@ -28,6 +28,9 @@ class VictimJob:
     label_source: str = "known"  # "known" or "recovered"
     meta: dict = field(default_factory=dict)
     plan: LocalPlan | None = None  # an update job: the client's local round (the attacker replays it)
+    # The adaptive attack on pruning: match only the entries the client kept, i.e. where ``gradient``
+    # is nonzero (``support_mask``). Set from the capture's defense (attacker.captures), nowhere else.
+    match_support: bool = False
 
     @property
     def kind(self) -> str:
@@ -56,6 +59,13 @@ class Oracle:
 
     images: Tensor
     masks: tuple[Tensor, ...]
+
+
+def support_mask(job: VictimJob) -> list[Tensor] | None:
+    """Per parameter, where the shared gradient/update is nonzero, when the job matches only those
+    entries (pruning); else None. The dummy's gradient is to be multiplied by it in the matching
+    terms; the target is zero outside it, so only the dummy's norm changes."""
+    return [g != 0 for g in job.gradient] if job.match_support else None
 
 
 def exact_as_gradient(job: VictimJob) -> bool:

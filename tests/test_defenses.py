@@ -8,6 +8,7 @@ from fedsim import flower_env
 
 flower_env.apply()  # before anything imports flwr
 
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -187,3 +188,35 @@ def test_dp_needs_a_model_whose_state_flower_can_clip() -> None:
     problem = defenses.check_run({"defense": "central-dp-server-clipping", "inject-client-failure": "1:0"}, None)
     assert problem and "drops a whole round" in problem
     assert defenses.check_run({"defense": "local-dp", "inject-client-failure": "1:0"}, None) is None
+
+
+@pytest.mark.parametrize("defense", ["prune", "central-dp-server-clipping"])
+def test_the_attack_knows_the_defense_and_names_its_adaptation(base: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               defense: str) -> None:
+    from attacker.captures import jobs_from_captures
+    from attacker.cli import main as attacker_main
+    from attacker.jobs import support_mask
+    from fedsim.capture import list_captures, save_capture
+
+    cfg = dict(base, defense=defense)
+    inner, *_ = _federated_round(cfg, "gradient", monkeypatch)
+    run = tmp_path / "fed"
+    for capture in inner.captures:
+        save_capture(run / "captures", capture)
+    jobs, _, _ = jobs_from_captures(list_captures(run))
+    adaptation = defenses.DEFENSES[defense].adaptation
+    for job in jobs:
+        assert job.meta["defense"] == defense and job.meta["adaptation"] == adaptation
+        mask = support_mask(job)
+        if defense == "prune":
+            assert job.match_support and mask is not None
+            assert all(torch.equal(m, g != 0) for m, g in zip(mask, job.gradient)) and not all(m.all() for m in mask)
+        else:
+            assert not job.match_support and mask is None
+    out = tmp_path / "attack"
+    code = attacker_main(["run", "--captures", str(run), "--attacks", "ig_eval", "--iterations", "2", "--no-lpips",
+                          "--quiet", "--out", str(out)])
+    assert code == 0, capsys.readouterr().out
+    assert f"Defense {defense}: adaptation {adaptation}." in (out / "report.md").read_text()
+    assert f",{defense}," in (out / "metrics.csv").read_text()
