@@ -220,3 +220,47 @@ def test_the_attack_knows_the_defense_and_names_its_adaptation(base: dict[str, A
     assert code == 0, capsys.readouterr().out
     assert f"Defense {defense}: adaptation {adaptation}." in (out / "report.md").read_text()
     assert f",{defense}," in (out / "metrics.csv").read_text()
+
+
+def _norms_and_density(run_dir: Path) -> list[tuple[str, float, float]]:
+    from fedsim.capture import list_captures, load_capture
+
+    out = []
+    for path in list_captures(run_dir):
+        capture = load_capture(path)
+        update = capture.update
+        norm = _norm(update)
+        density = sum(int((v != 0).sum()) for v in update.values()) / sum(v.numel() for v in update.values())
+        out.append((capture.defense, norm, density))
+    return out
+
+
+def test_ray_simulation_applies_client_clipping_and_the_wrapper(base: dict[str, Any], tmp_path: Path) -> None:
+    """The simulation engine: the ClientApp's mod clips, the server's wrapper noises the aggregate."""
+    from fedsim.simulation import load_results, run_simulation_job
+
+    run_dir = run_simulation_job({
+        "num-clients": 2, "num-server-rounds": 1, "capture-rounds": "1", "capture-kind": "update", "download": False,
+        "local-steps": 2, "batch-size": 4, "capture-images": 8, "model-options": '{"width": 64}', "optimizer": "sgd",
+        "lr": 0.05, "defense": "central-dp-client-clipping", "clip-norm": 0.01, "run-dir": str(tmp_path / "run"),
+    })
+    found = _norms_and_density(run_dir)
+    assert len(found) == 2 and load_results(run_dir)["rounds_run"] == 1
+    assert all(d == "central-dp-client-clipping" and abs(n - 0.01) < 1e-4 for d, n, _ in found), found
+
+
+def test_deployment_applies_the_prune_mod(base: dict[str, Any], tmp_path: Path) -> None:
+    """The deployment engine (SuperLink + SuperNodes on loopback) runs the same ClientApp, mods included."""
+    from fedsim.deployment import LocalDeployment
+
+    run_dir = tmp_path / "run"
+    cfg = resolve_config({"num-clients": 2, "num-server-rounds": 1, "capture-rounds": "1", "capture-kind": "update",
+                          "download": False, "local-steps": 2, "batch-size": 4, "capture-images": 8,
+                          "model-options": '{"width": 64}', "defense": "prune", "prune-fraction": 0.1,
+                          "run-dir": str(run_dir)})
+    cfg["data-root"] = str(Path(cfg["data-root"]).resolve())
+    with LocalDeployment(2, tmp_path / "work") as dep:
+        result = dep.run(cfg, timeout=300)
+    assert result.ok, (result, dep.log_tail("flwr-run"))
+    found = _norms_and_density(run_dir)
+    assert len(found) == 2 and all(d == "prune" and 0 < density <= 0.11 for d, _, density in found), found
