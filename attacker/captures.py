@@ -15,6 +15,7 @@ import torch
 
 from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
 from fedsim.client_step import LocalPlan, LocalPlanError
+from fedsim.defenses import get_defense
 from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config
 from fedsim.task import local_plan
 
@@ -88,13 +89,25 @@ def jobs_from_captures(
         else:
             shared = [capture.update[n].float() for n in capture.param_names]  # type: ignore[index]
         job_id = f"r{capture.round:04d}_c{capture.client:03d}"
-        meta = {"round": capture.round, "client": capture.client, "capture": str(path)}
+        try:
+            defense = get_defense(capture.defense)
+        except ValueError as err:
+            if not skip_bad:
+                raise CaptureError(f"capture {path}: {err}") from None
+            skipped.append(f"{path.name}: {err}")
+            continue
+        # What the capture holds under its defense, and the attacker's standard adaptation to it
+        # (clipping: none, the cosine distance ignores the scale; noise: attacked as is; pruning:
+        # match only the surviving entries). Named in the attack report (attacker.scoring).
+        meta = {"round": capture.round, "client": capture.client, "capture": str(path),
+                "defense": defense.name, "adaptation": defense.adaptation}
         count = capture.label_count
         if label_policy == "known" and capture.labels is not None:
-            job = VictimJob(job_id, capture.spec, weights, shared, capture.labels.long(), "known", meta, plan)
+            job = VictimJob(job_id, capture.spec, weights, shared, capture.labels.long(), "known", meta, plan,
+                            match_support=defense.name == "prune")
         else:
             job = VictimJob(job_id, capture.spec, weights, shared, torch.zeros(count, dtype=torch.long), "recovered",
-                            meta, plan)
+                            meta, plan, match_support=defense.name == "prune")
             # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
             job.labels = recover_labels(model_from_job(job), shared, count)
         oracle = None

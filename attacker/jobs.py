@@ -28,6 +28,9 @@ class VictimJob:
     label_source: str = "known"  # "known" or "recovered"
     meta: dict = field(default_factory=dict)
     plan: LocalPlan | None = None  # an update job: the client's local round (the attacker replays it)
+    # The adaptive attack on pruning: match only the entries the client kept, i.e. where ``gradient``
+    # is nonzero (``support_mask``). Set from the capture's defense (attacker.captures), nowhere else.
+    match_support: bool = False
 
     @property
     def kind(self) -> str:
@@ -58,11 +61,18 @@ class Oracle:
     masks: tuple[Tensor, ...]
 
 
+def support_mask(job: VictimJob) -> list[Tensor] | None:
+    """Per parameter, where the shared gradient/update is nonzero, when the job matches only those
+    entries (pruning); else None. The dummy's gradient is to be multiplied by it in the matching
+    terms; the target is zero outside it, so only the dummy's norm changes."""
+    return [g != 0 for g in job.gradient] if job.match_support else None
+
+
 def exact_as_gradient(job: VictimJob) -> bool:
-    """An update that IS one gradient: one plain SGD step on all of the job's images (Δ/lr = g)."""
+    """An update that IS one gradient: one plain SGD step on all of the job's images (Δ/lr = g). Under a
+    defense it is the defended gradient (clipped, noised or pruned as the update was), attacked as such."""
     plan = job.plan
-    return plan is not None and len(job.steps) == 1 and plan.optimizer.name == "sgd" and not plan.optimizer.momentum \
-        and plan.defense == "none"
+    return plan is not None and len(job.steps) == 1 and plan.optimizer.name == "sgd" and not plan.optimizer.momentum
 
 
 def as_one_gradient(job: VictimJob) -> VictimJob:

@@ -165,10 +165,13 @@ def write_results(
             tensors[f"{res.job_id}/{res.attack}/mask{i:02d}"] = m.contiguous()
     atomic_write(run_dir / "reconstructions.safetensors", save_safetensors(tensors))
     labels = sorted({r["labels"] for r in rows})
+    defended = sorted({(r.get("defense", "none"), r.get("adaptation", "none")) for r in rows} - {("none", "none")})
+    defense_lines = "".join(f"Defense {name}: adaptation {adaptation}.\n\n" for name, adaptation in defended)
     report = (
         f"# {title}\n\n"
         f"Labels: {', '.join(labels)}. SSIM/PSNR in *paper space* are computed on normalized tensors with "
         f"data_range = 1/std (the space of the paper's tables); *[0,1]* is the standard space.\n\n"
+        + defense_lines
         + format_table(summary)
         + "\n![reconstructions](grid.png)\n\n![loss curves](loss_curves.png)\n"
     )

@@ -30,6 +30,8 @@ def score_results(
             "p": job.p,
             "batch_size": job.batch_size,
             "labels": job.label_source,
+            "defense": job.meta.get("defense", "none"),  # the capture's defense and the attack's adaptation to it
+            "adaptation": job.meta.get("adaptation", "none"),
             "status": res.status,
             "iterations": res.iterations,
             "best_iteration": res.best_iteration,

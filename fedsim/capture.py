@@ -69,6 +69,10 @@ class Capture:
     labels: torch.Tensor | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     local_steps: int = 1  # K, the local steps behind an update (as the client reported it)
+    # The defense active in the run (fedsim.defenses) and, in words, what the capture therefore holds
+    # (e.g. under central DP: the clipped update without the noise, which is added after aggregation).
+    defense: str = "none"
+    defense_captured: str = ""
     path: Path | None = None
 
     @property
@@ -166,6 +170,8 @@ def save_capture(directory: str | Path, capture: Capture) -> Path:
         "weight_names": list(capture.weights),
         "hyperparameters": _jsonable(capture.hyperparameters),
         "local_steps": int(capture.local_steps),
+        "defense": capture.defense,
+        "defense_captured": capture.defense_captured,
     }
     return _write_record(Path(directory), record_name(capture.round, capture.client, capture.node_id), meta, tensors)
 
@@ -292,6 +298,8 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             labels=labels,
             hyperparameters=dict(meta.get("hyperparameters", {})),
             local_steps=int(meta.get("local_steps", 1)),
+            defense=str(meta.get("defense", "none")),  # records written before defenses existed had none
+            defense_captured=str(meta.get("defense_captured", "")),
             path=path,
         )
     except KeyError as exc:

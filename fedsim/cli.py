@@ -143,6 +143,7 @@ def _check_model_and_data(cfg: dict[str, Any]) -> None:
 
     cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())  # as the simulation resolves it
     task.make_model(cfg)
+    task.check_defense(cfg)
     task.load_split(cfg, train=False)
 
 
@@ -257,7 +258,7 @@ def cmd_captures(args: argparse.Namespace) -> int:
     if not paths:
         raise UsageError(f"{folder} holds no captures (expected a run folder or its captures/)")
     table = Table(title=f"captures in {folder}")
-    for col in ("round", "client", "kind", "model", "p", "images", "B", "K", "lr", "labels", "path"):
+    for col in ("round", "client", "kind", "model", "p", "images", "B", "K", "lr", "labels", "defense", "path"):
         table.add_column(col)
     bad = 0
     for path in paths:
@@ -269,7 +270,7 @@ def cmd_captures(args: argparse.Namespace) -> int:
             continue
         labels = c.label_policy if c.labels is None else ",".join(str(int(v)) for v in c.labels[:8])
         table.add_row(str(c.round), str(c.client), c.kind, c.spec.name, f"{c.p:g}", str(c.label_count),
-                      str(c.batch_size), str(c.local_steps), f"{c.lr:g}", labels, path.name)
+                      str(c.batch_size), str(c.local_steps), f"{c.lr:g}", labels, c.defense, path.name)
     console.print(table)
     return 1 if bad else 0
 

@@ -22,11 +22,29 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset  # noqa: E402
 
-from fedsim import task  # noqa: E402
+from fedsim import defenses, task  # noqa: E402
 from fedsim.client_step import StepRecord, run_local_round  # noqa: E402
 from fedsim.run_config import resolve_config  # noqa: E402
 
 app = ClientApp()
+
+
+def defense_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """The run config's defense, as Flower client mods around the train handler (``fedsim.defenses``).
+
+    Why one dispatching mod rather than ``ClientApp(mods=...)`` built per config: Flower fixes an
+    app's mods when the app is built, but this app is one module-level object that the simulation,
+    ``flwr run`` and the deployment's SuperNodes all load, and the run config a client must obey is
+    the one the server sends in each round's message (the legacy simulation API gives apps an empty
+    run config). So the app carries this one mod on its train handler; it resolves the config
+    exactly as the handler does and runs the defense's mods (Flower's own where they exist) around
+    the rest of the chain. Evaluate messages pass no mod at all.
+    """
+    mods = defenses.client_mods(_config(msg, context))
+    chain = call_next
+    for mod in reversed(mods):
+        chain = (lambda m, c, mod=mod, nxt=chain: mod(m, c, nxt))
+    return chain(msg, context)
 
 
 def _config(msg: Message, context: Context) -> dict[str, Any]:
@@ -114,5 +132,5 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
 
 
 # Plain functions above so tests can call them directly; registered with the app here.
-app.train()(handle_train)
+app.train(mods=[defense_mod])(handle_train)
 app.evaluate()(handle_evaluate)

@@ -4,9 +4,10 @@ Every place that needs "what a client does in a round" calls :func:`run_local_ro
 (training rounds and one-step capture rounds), the offline victim simulation (``attacker.jobs``),
 and the experiments through those. A round is described by a :class:`LocalPlan`: the schedule
 (epochs, batch size, step cap, batch order), the optimizer (SGD, SGD with momentum, Adam), the
-dropout behaviour per step (sample and record, replay given masks, learnable masks, off) and a
-defense applied to what leaves the client (``fedsim.defenses``). The result holds the new weights,
-the update (global - local) and the ground truth of every step (its image indices and masks).
+dropout behaviour per step (sample and record, replay given masks, learnable masks, off). The result
+holds the new weights, the update (global - local) and the ground truth of every step (its image
+indices and masks). Defenses are not applied here: they are Flower mods and strategy wrappers
+around the ClientApp and the strategy (``fedsim.defenses``), so each is applied once, on the reply.
 
 Why the optimizer updates are written here rather than taken from ``torch.optim``: an attacker
 replays the client's steps *differentiably* (through the updates, with learnable masks), and
@@ -26,7 +27,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fedsim.defenses import apply_defense
 from fedsim.models import DropoutMode, get_recorded_masks, set_dropout_mode, set_masks
 
 DROPOUT_BEHAVIOURS = ("sample", "replay", "learn", "off")
@@ -93,7 +93,6 @@ class LocalPlan:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     dropout: str = "sample"  # sample (and record) | replay | learn | off
     masks: Sequence[Sequence[Tensor]] | None = None  # per step, per dropout layer: for replay and learn
-    defense: str = "none"  # a name in fedsim.defenses.DEFENSES, applied to the update that leaves
     float64_weights: bool = False  # keep the weights in float64 between steps (exact (global - local)/lr)
     record_masks: bool = True  # with dropout "sample": keep each step's masks (the audit's ground truth)
     keep_gradients: bool = False  # record each step's parameter gradient
@@ -120,7 +119,7 @@ class StepRecord:
 @dataclass
 class LocalResult:
     weights: dict[str, Tensor]  # the new state dict (float64 parameters with float64_weights)
-    update: dict[str, Tensor]  # global - local for floating entries, after the defense
+    update: dict[str, Tensor]  # global - local for floating entries
     steps: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -248,11 +247,8 @@ def run_local_round(
     buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in start_values}
     local = {**buffers, **{n: (w if plan.differentiable else w.detach()) for n, w in weights.items()}}
     update = {k: start_values[k].to(v.dtype) - v for k, v in local.items() if k in start_values}
-    defended = apply_defense(plan.defense, update)
-    if defended is not update:  # the client sends global - defended update
-        local.update({k: start_values[k].to(v.dtype) - v for k, v in defended.items()})
     local = {k: local[k] for k in model.state_dict()}  # state-dict order
-    return LocalResult(local, defended, steps)
+    return LocalResult(local, update, steps)
 
 
 def one_step_plan(lr: float, *, seed: int = 0, float64: bool = True, keep_gradients: bool = False) -> LocalPlan:

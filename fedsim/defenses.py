@@ -1,32 +1,193 @@
-"""Defenses applied to what leaves a client, by name: configured once, applied in one place.
+"""Defenses, by name: which Flower parts each one is, configured once from the run config.
 
-A defense maps the client's update (global - local, per state-dict key) to the update it sends.
-``fedsim.client_step.run_local_round`` applies the configured one; adding a defense is one
-function here and one entry in ``DEFENSES``.
+A defense is a list of client mods (applied to every train reply, after the client's local round:
+``fedsim.client_app`` registers one mod, :func:`fedsim.client_app.defense_mod`, that reads the run
+config and runs the mods named here) and an optional wrapper around the server's strategy
+(``fedsim.server_app`` calls :func:`wrap_strategy`). This module is the one place that maps a name
+to its parts; the run config's ``defense`` choices are the keys of :data:`DEFENSES`. Nothing else
+applies a defense: ``fedsim.client_step.run_local_round`` returns the client's plain update.
+
+Flower's own classes do the clipping and the noise (``flwr.clientapp.mod.LocalDpMod``,
+``fixedclipping_mod``, ``flwr.serverapp.strategy.DifferentialPrivacy*FixedClipping``). Flower has
+no pruning mod, so :func:`prune_mod` is written here, once.
+
+What the curious server records (``fedsim.strategy.CuriousFedAvg`` captures each reply as it
+reaches it, i.e. after the client's mods and, for server-side clipping, after the wrapper clipped it):
+
+* none: the client's update as it left the client;
+* local-dp: the clipped and noised update (the noise is the client's own);
+* central-dp-*: the clipped, NOT noised update: central DP adds its noise to the aggregate, after
+  the server has seen every individual update, so it does not protect against this server;
+* prune: the pruned update (the attacker knows which entries survived: the nonzero ones).
+
+Adding a defense: one :class:`Defense` entry in :data:`DEFENSES` (its client mods and/or strategy
+wrapper, built from the run config), and the settings it reads in ``fedsim.run_config.SCHEMA``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from torch import Tensor
-
-Update = dict[str, Tensor]
-
-
-def no_defense(update: Update) -> Update:
-    """Send the update as it is (returns the same object, so nothing is recomputed)."""
-    return update
+import numpy as np
 
 
-DEFENSES: dict[str, Callable[[Update], Update]] = {
-    "none": no_defense,
+@dataclass(frozen=True)
+class Defense:
+    name: str
+    help: str
+    # The client mods, in order (the first wraps the others), built from the resolved run config.
+    client_mods: Callable[[Mapping[str, Any]], list[Any]]
+    # The strategy wrapper: (strategy, cfg, num_sampled_clients) -> Strategy; None: no wrapper.
+    wrap: Callable[[Any, Mapping[str, Any], int], Any] | None
+    # What the capture of one client's reply holds under this defense (stored in its metadata).
+    captured: str
+    # How the attacker adapts to it (named in the attack report).
+    adaptation: str
+    # Flower clips the whole ArrayRecord (every state-dict entry): the model must have only floating ones.
+    needs_float_state: bool = False
+
+
+def _no_mods(cfg: Mapping[str, Any]) -> list[Any]:
+    return []
+
+
+def _local_dp_mods(cfg: Mapping[str, Any]) -> list[Any]:
+    from flwr.clientapp.mod import LocalDpMod
+
+    # The L2 sensitivity of a clipped update is the clipping norm (adding or removing one client's
+    # update changes a sum by at most that much): Flower's LocalDpMod takes it as a separate argument.
+    clip = float(cfg["clip-norm"])
+    return [LocalDpMod(clip, clip, float(cfg["dp-epsilon"]), float(cfg["dp-delta"]))]
+
+
+def _fixed_clipping_mods(cfg: Mapping[str, Any]) -> list[Any]:
+    from flwr.clientapp.mod import fixedclipping_mod
+
+    return [fixedclipping_mod]  # the clipping norm comes from the strategy wrapper, in each round's config
+
+
+def _prune_mods(cfg: Mapping[str, Any]) -> list[Any]:
+    return [PruneMod(float(cfg["prune-fraction"]))]
+
+
+def _wrap_client_clipping(strategy: Any, cfg: Mapping[str, Any], num_sampled: int) -> Any:
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    return DifferentialPrivacyClientSideFixedClipping(strategy, float(cfg["noise-multiplier"]),
+                                                      float(cfg["clip-norm"]), num_sampled)
+
+
+def _wrap_server_clipping(strategy: Any, cfg: Mapping[str, Any], num_sampled: int) -> Any:
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    return DifferentialPrivacyServerSideFixedClipping(strategy, float(cfg["noise-multiplier"]),
+                                                      float(cfg["clip-norm"]), num_sampled)
+
+
+_CENTRAL_CAPTURE = ("the client's clipped update, without noise: central DP adds its noise to the aggregate, "
+                    "after the server has seen each update")
+
+DEFENSES: dict[str, Defense] = {
+    d.name: d
+    for d in (
+        Defense("none", "no defense", _no_mods, None, "the client's update as sent", "none"),
+        Defense("local-dp", "Flower's LocalDpMod on the client: clip to clip-norm, add Gaussian noise for "
+                "(dp-epsilon, dp-delta)", _local_dp_mods, None, "the client's clipped and noised update",
+                "none: the noised update is attacked as is", needs_float_state=True),
+        Defense("central-dp-client-clipping", "Flower's fixedclipping_mod on the client and "
+                "DifferentialPrivacyClientSideFixedClipping around the strategy (noise-multiplier, clip-norm)",
+                _fixed_clipping_mods, _wrap_client_clipping, _CENTRAL_CAPTURE,
+                "none needed: clipping scales the update, which the cosine distance ignores",
+                needs_float_state=True),
+        Defense("central-dp-server-clipping", "DifferentialPrivacyServerSideFixedClipping around the strategy "
+                "(noise-multiplier, clip-norm)", _no_mods, _wrap_server_clipping, _CENTRAL_CAPTURE,
+                "none needed: clipping scales the update, which the cosine distance ignores",
+                needs_float_state=True),
+        Defense("prune", "keep the prune-fraction largest entries (by magnitude) of each tensor of the update",
+                _prune_mods, None, "the client's pruned update",
+                "requested: match only the surviving (nonzero) entries (VictimJob.match_support); "
+                "not yet applied by the matching terms"),
+    )
 }
 
 
-def apply_defense(name: str, update: Update) -> Update:
+def get_defense(name: str) -> Defense:
     try:
-        defense = DEFENSES[name]
+        return DEFENSES[name]
     except KeyError:
-        raise ValueError(f"unknown defense {name!r}; choose from {sorted(DEFENSES)}") from None
-    return defense(update)
+        raise ValueError(f"unknown defense {name!r}; choose from {', '.join(DEFENSES)}") from None
+
+
+def client_mods(cfg: Mapping[str, Any]) -> list[Any]:
+    """The client mods of the run config's defense, in order."""
+    return get_defense(str(cfg["defense"])).client_mods(cfg)
+
+
+def wrap_strategy(strategy: Any, cfg: Mapping[str, Any], num_sampled_clients: int) -> Any:
+    """``strategy`` wrapped as the run config's defense asks (the same object when it asks nothing)."""
+    defense = get_defense(str(cfg["defense"]))
+    return strategy if defense.wrap is None else defense.wrap(strategy, cfg, num_sampled_clients)
+
+
+def check_run(cfg: Mapping[str, Any], state_dtypes: Mapping[str, Any] | None) -> str | None:
+    """Why the run's strategy or model cannot take its defense, or None. ``state_dtypes``: the model's
+    state-dict entries and their dtypes (torch; needed when the defense ``needs_float_state``)."""
+    defense = get_defense(str(cfg["defense"]))
+    if defense.wrap is not None and cfg.get("inject-client-failure"):
+        # Flower's DP wrappers skip a round's aggregation when any client failed: the strategy would
+        # neither aggregate nor capture that round, so an injected failure cannot be drilled under them.
+        return (f"defense {defense.name} cannot run with inject-client-failure: Flower's central DP wrapper "
+                "drops a whole round when any client fails")
+    if defense.needs_float_state and state_dtypes is not None:
+        ints = [k for k, dtype in state_dtypes.items() if not dtype.is_floating_point]
+        if ints:
+            return (f"defense {defense.name} cannot run with model {cfg['model']}: Flower's DP clipping scales every "
+                    f"entry of the update, and {ints[0]} is not floating point")
+    return None
+
+
+# -- pruning: no Flower mod exists for it, so it is written once, here, as a client mod -------------
+
+
+def prune_update(update: np.ndarray, fraction: float) -> np.ndarray:
+    """Keep the ``ceil(fraction * size)`` entries of largest magnitude, zero the rest (ties: the
+    earlier entries win, so the result is deterministic). A copy; integer arrays pass unchanged."""
+    if not np.issubdtype(update.dtype, np.floating) or fraction >= 1.0 or update.size == 0:
+        return update.copy()
+    keep = max(1, int(np.ceil(fraction * update.size)))
+    flat = update.reshape(-1)
+    order = np.argsort(-np.abs(flat), kind="stable")
+    out = np.zeros_like(flat)
+    out[order[:keep]] = flat[order[:keep]]
+    return out.reshape(update.shape)
+
+
+class PruneMod:
+    """Client mod: prune the update (global - local) of a train reply, tensor by tensor, and send
+    ``global - pruned update``. Flower ships clipping and DP mods but none for pruning / top-k
+    sparsification (the defense of Zhu et al., DLG), so it is written here in Flower's mod form and
+    runs where the DP mods run, after the client's local round."""
+
+    def __init__(self, fraction: float) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"prune-fraction must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+
+    def __call__(self, msg: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
+        from flwr.app import Array, ArrayRecord
+
+        sent = msg.content["arrays"].to_numpy_ndarrays() if "arrays" in msg.content else None
+        reply = call_next(msg, context)
+        if sent is None or reply.has_error() or "arrays" not in reply.content:
+            return reply
+        record = reply.content["arrays"]
+        pruned = {}
+        for key, local, start in zip(record.keys(), record.to_numpy_ndarrays(), sent, strict=True):
+            if np.issubdtype(local.dtype, np.floating):
+                update = start.astype(local.dtype) - local
+                local = start.astype(local.dtype) - prune_update(update, self.fraction)
+            pruned[key] = Array(np.ascontiguousarray(local))
+        reply.content["arrays"] = ArrayRecord(pruned)
+        return reply

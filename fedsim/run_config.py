@@ -183,9 +183,19 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("momentum", 0.0, "SGD momentum", range=_AT_LEAST_0, group="local training"),
     Setting("batch-order", "shuffled", "order of the local batches: a fresh seeded permutation per epoch, or "
             "the partition's order", choices=BATCH_ORDERS, group="local training"),
-    # defense applied to what leaves the client (fedsim.defenses)
-    Setting("defense", "none", "defense applied to each client's update before it is sent",
-            choices=tuple(DEFENSES), group="defense"),
+    # defenses: Flower client mods and strategy wrappers (fedsim.defenses)
+    Setting("defense", "none", "defense of the clients' updates: " + "; ".join(f"{d.name}: {d.help}"
+            for d in DEFENSES.values()), choices=tuple(DEFENSES), group="defense"),
+    Setting("clip-norm", 1.0, "DP defenses: L2 clipping norm of each client's update (local DP: also its "
+            "sensitivity)", range=_POSITIVE, group="defense"),
+    Setting("noise-multiplier", 1.0, "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * "
+            "clip-norm / sampled clients", range=_POSITIVE, group="defense"),
+    Setting("dp-epsilon", 10.0, "local DP: epsilon of each client's Gaussian mechanism", range=_POSITIVE,
+            group="defense"),
+    Setting("dp-delta", 1e-5, "local DP: delta of each client's Gaussian mechanism", range=Range(0, 1, True, True),
+            group="defense"),
+    Setting("prune-fraction", 0.1, "prune: the fraction of each update tensor's entries kept (largest magnitude)",
+            range=Range(0, 1, low_open=True), group="defense"),
     # capture / audit
     Setting("capture-rounds", "", "rounds the curious server captures: '' none, 'all', or '1,3,5'",
             check=_check_capture_rounds, group="capture"),

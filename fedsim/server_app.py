@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord  # noqa: E
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from fedsim import task  # noqa: E402
+from fedsim import defenses, task  # noqa: E402
 from fedsim.atomic import atomic_path, atomic_write  # noqa: E402
 from fedsim.run_config import capture_rounds, resolve_config  # noqa: E402
 from fedsim.strategy import CuriousFedAvg  # noqa: E402
@@ -40,19 +40,25 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     atomic_write(run_dir / "config.json", json.dumps(dict(cfg), indent=1, sort_keys=True))
     n = int(cfg["num-clients"])
     model = task.make_model(cfg)
+    sampled = max(1, int(n * float(cfg["fraction-train"])))
     strategy = CuriousFedAvg(
         task.model_spec(cfg),
         capture_rounds=capture_rounds(cfg),
         capture_kind=cfg["capture-kind"],
         label_policy=cfg["labels"],
+        defense=cfg["defense"],
         capture_dir=run_dir / "captures",
         oracle_dir=run_dir / "oracle",
         fraction_train=float(cfg["fraction-train"]),
         fraction_evaluate=float(cfg["fraction-evaluate"]),
-        min_train_nodes=max(1, int(n * float(cfg["fraction-train"]))),
+        min_train_nodes=sampled,
         min_evaluate_nodes=max(1, int(n * float(cfg["fraction-evaluate"]))),
         min_available_nodes=n,  # else round 1 may sample only the nodes connected so far
     )
+    # The defense's strategy wrapper (central DP), if any, goes around the curious FedAvg: Flower's
+    # server-side clipping happens in the wrapper before FedAvg sees the replies, and the noise after
+    # FedAvg aggregated them, so the captures hold clipped, un-noised updates (fedsim.defenses).
+    server = defenses.wrap_strategy(strategy, cfg, sampled)
     test = task.load_split(cfg, train=False)
     rows: list[dict[str, Any]] = []
     patience = int(cfg["early-stop-patience"])
@@ -87,7 +93,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return MetricRecord(stats)
 
     sent = ConfigRecord({k: v for k, v in cfg.items()})
-    result = strategy.start(
+    result = server.start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=int(cfg["num-server-rounds"]),

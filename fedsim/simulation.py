@@ -20,6 +20,9 @@ def new_run_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], Pa
     of different runs never mix). Run and data folders become absolute paths: the server and the
     clients may run in other processes (Ray workers, deployment processes) and other folders."""
     cfg = resolve_config(config)
+    from fedsim.task import check_defense
+
+    check_defense(cfg)  # a defense the model cannot take: refused before anything is written
     run_dir = Path(cfg["run-dir"]).expanduser().resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
         raise FileExistsError(f"run folder {run_dir} is not empty; choose a new --run-dir")

@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import FedAvg
 from safetensors.torch import load as st_load
 
 from fedsim.capture import Capture, CaptureError, OracleRecord, save_capture, save_oracle
+from fedsim.defenses import get_defense
 from fedsim.models import ModelSpec, build_model
 
 logger = logging.getLogger("fedsim.strategy")
@@ -35,6 +36,10 @@ class CuriousFedAvg(FedAvg):
     every later round a no-op (early stopping without leaving FedAvg's ``start`` loop).
     ``label_policy`` is the run config's ``labels`` (known | recovered); each capture records
     "known" when the client's reply carried its labels, else "recovered".
+
+    A capture is the reply as it reaches this strategy: after the client's mods (local DP, clipping,
+    pruning) and, when a DP wrapper from ``fedsim.defenses`` wraps this strategy, after its
+    server-side clipping but before its noise (added to the aggregate): what the server really sees.
     """
 
     def __init__(
@@ -47,9 +52,11 @@ class CuriousFedAvg(FedAvg):
         capture_dir: str | Path | None = None,
         oracle_dir: str | Path | None = None,
         keep_in_memory: bool = False,
+        defense: str = "none",
         **fedavg_kwargs: Any,
     ) -> None:
         super().__init__(**fedavg_kwargs)
+        self.defense = get_defense(defense)  # recorded in every capture (what the capture holds under it)
         if capture_kind not in ("gradient", "update"):
             raise ValueError(f"capture_kind must be 'gradient' or 'update', got {capture_kind!r}")
         if label_policy not in ("known", "recovered"):
@@ -154,6 +161,8 @@ class CuriousFedAvg(FedAvg):
             lr=lr,
             param_names=self._param_names,
             hyperparameters=sent,
+            defense=self.defense.name,
+            defense_captured=self.defense.captured,
         )
         if one_step:
             if lr <= 0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,9 +14,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan
 from fedsim.data import dataset_labels, load_dataset, partition_dirichlet, partition_iid, sample_victims
+from fedsim.defenses import DEFENSES, check_run
 from fedsim.models import ModelSpec, build_model, set_dropout_mode
 from fedsim.models.registry import THREE_CHANNEL_MODELS
-from fedsim.run_config import model_options
+from fedsim.run_config import RunConfigError, model_options
 
 
 def model_spec(cfg: Mapping[str, Any]) -> ModelSpec:
@@ -30,6 +30,15 @@ def make_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor] | None 
     if state is not None:
         model.load_state_dict(dict(state))  # load_state_dict copies, casting float64 to float32
     return model
+
+
+def check_defense(cfg: Mapping[str, Any]) -> None:
+    """RunConfigError when the run's defense cannot be applied to its model (fedsim.defenses.check_run)."""
+    dtypes = ({k: v.dtype for k, v in make_model(cfg).state_dict().items()}
+              if DEFENSES[str(cfg["defense"])].needs_float_state else None)
+    problem = check_run(cfg, dtypes)
+    if problem:
+        raise RunConfigError(problem)
 
 
 @functools.lru_cache(maxsize=4)
@@ -65,14 +74,13 @@ def local_plan(cfg: Mapping[str, Any], *, one_step: bool, seed: int, record_mask
     """The client's round as the run config describes it: a training round (``local-epochs`` epochs,
     or ``local-steps`` batches, with the configured optimizer) or a one-step capture round."""
     if one_step:
-        return replace(one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"])),
-                       defense=str(cfg["defense"]))
+        return one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"]))
     steps = int(cfg["local-steps"])
     schedule = Schedule(epochs=int(cfg["local-epochs"]) if steps <= 0 else 10**9, batch_size=int(cfg["batch-size"]),
                         max_steps=max(steps, 0), order=str(cfg["batch-order"]))
     optimizer = OptimizerSpec(str(cfg["optimizer"]), float(cfg["lr"]),
                               momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0)
-    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed, defense=str(cfg["defense"]))
+    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed)
 
 
 @torch.no_grad()

@@ -148,5 +148,3 @@ def test_bad_plans_are_refused():
         Schedule(order="random")
     with pytest.raises(LocalPlanError):
         LocalPlan(dropout="replay")
-    with pytest.raises(ValueError, match="unknown defense"):
-        run_local_round(build_model(ModelSpec("mlp", "mnist", 0.0, 0)), _data(2), LocalPlan(defense="noise"))

@@ -12,7 +12,7 @@ from attacker.cli import main
 from attacker.config import RunConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "experiments").glob("*.yaml"))
-EXPECTED = {"table1", "fig5a", "fig5b", "fig5c", "table2", "table3", "table4"}
+EXPECTED = {"table1", "fig5a", "fig5b", "fig5c", "table2", "table3", "table4", "fedavg", "defenses"}
 
 
 def test_every_experiment_file_is_there() -> None:
@@ -42,7 +42,9 @@ def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypat
         for attack in cell.attacks:
             assert attack in cell.paper, f"{cell.key}: no paper entry for {attack}"
             assert set(cell.paper[attack]) == set(exp.metrics) or set(cell.paper[attack]) <= set(exp.metrics)
-        if source == "paper" and cell.dataset in ex.PAPER_VICTIMS:
+        if cell.federation:  # its victims are its own federation's captures, whatever the source
+            assert cfg.victims.source == "captures" and cfg.victims.captures.endswith(cell.key)
+        elif source == "paper" and cell.dataset in ex.PAPER_VICTIMS:
             assert cfg.victims.source == "file"
 
 
@@ -334,3 +336,44 @@ def test_resources_no_node_offers_are_refused_right_after_connecting(ask: str, t
     assert printed.startswith("error: a local Ray (1 node(s), 1 CPU(s)") and printed.count("\n") == 1, printed
     assert f"no node has that many {ask[:3].upper()}s" in printed
     assert not (out / "cells").exists()
+
+
+DEFENDED = """
+name: defended
+title: One cell with its own defended federation
+accuracy: {run_config: {}}
+cells:
+- {id: a, model: mlp, dataset: mnist, p: 0.25, attacks: [ig_eval], model_options: {width: 32},
+   federation: {defense: prune, prune_fraction: 0.5, local_steps: 1, onestep_lr: 0.01},
+   paper: {accuracy: null, ig_eval: {ssim: null}}}
+"""
+
+
+def test_a_cell_with_its_own_federation_attacks_its_captured_round(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A real 2-round Flower simulation under the cell's defense: round 2 is captured and attacked, and the
+    report's accuracy is that federation's (no separate accuracy federation)."""
+    config = tmp_path / "defended.yaml"
+    config.write_text(DEFENDED)
+    out = tmp_path / "out"
+    args = ["experiment", str(config), "--victims", "2", "--iterations", "3", "--fl-rounds", "2", "--no-lpips",
+            "--quiet", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().out
+    fed = out / "federations" / "defended-a"
+    results = json.loads((fed / "results.json").read_text())
+    assert results["rounds_run"] == 2 and results["num_captures"] == 2
+    config_used = json.loads((fed / "config.json").read_text())
+    assert config_used["defense"] == "prune" and config_used["capture-rounds"] == "2"
+    rows = json.loads((out / "cells" / "defended-a" / "metrics.json").read_text())
+    assert {r["job"] for r in rows} == {"r0002_c000", "r0002_c001"} and {r["defense"] for r in rows} == {"prune"}
+    assert not (out / "accuracy").exists()
+    assert "(2 rounds)" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(("federation", "words"), [("{model: lenet}", "federation must not set model"),
+                                                   ("{defense: local-dp, dp_delta: 2}", "dp-delta must be in (0, 1)")])
+def test_bad_cell_federation_is_a_user_error(tmp_path: Path, federation: str, words: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(DEFENDED.replace("{defense: prune, prune_fraction: 0.5, local_steps: 1, onestep_lr: 0.01}",
+                                       federation))
+    with pytest.raises(ex.ExperimentError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        ex.load_experiment(config)

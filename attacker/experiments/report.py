@@ -27,7 +27,9 @@ def _load_json(path: Path) -> Any:
 
 
 def _accuracy(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | None:
-    run_dir = accuracy_dir(out, cell.model, cell.dataset, cell.p, settings)
+    # a cell with its own federation (a defense, ...): that federation's accuracy (run.capture_federation)
+    run_dir = out / "federations" / cell.key if cell.federation else accuracy_dir(out, cell.model, cell.dataset,
+                                                                                   cell.p, settings)
     res = _load_json(run_dir / "results.json")
     if res is None:
         return None

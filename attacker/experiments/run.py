@@ -51,10 +51,14 @@ def _run_federation(config: dict[str, Any]) -> Path:
     return run_simulation_job(config)
 
 
-def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], Any]) -> Path:
+def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], Any],
+                       federation: dict[str, Any] | None = None) -> Path:
     """The victims of a cell as the paper takes them, through the federated pipeline: one Flower
     round at the model's random initialization in which each of count/B clients takes one training
-    step on B images of its own partition and the curious server captures the gradients."""
+    step on B images of its own partition and the curious server captures the gradients.
+
+    With ``federation`` (a cell's own run config settings, e.g. a defense): --fl-rounds rounds, the
+    last one captured, under those settings; its results.json is the cell's accuracy."""
     v = cfg.victims
     fed_dir = Path(v.captures or "")
     if (fed_dir / "results.json").is_file():
@@ -62,19 +66,27 @@ def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], 
     if fed_dir.exists():
         shutil.rmtree(fed_dir)  # an interrupted federation: its round is redone from the start
     clients = v.count // v.victim_batch_size
-    log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.victim_batch_size} image(s), captured")
-    return _run_federation(to_run_config({
+    rounds = settings.fl_rounds if federation else 1
+    if federation:
+        log(f"  federation: {rounds} Flower rounds, {clients} clients, {federation}; round {rounds} captured "
+            f"(one step on {v.victim_batch_size} image(s) per client)")
+    else:
+        log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.victim_batch_size} image(s), "
+            "captured")
+    config = to_run_config({
         "model": v.model, "dataset": v.dataset, "p": v.p, "model_options": v.model_options,
-        "model_seed": v.model_seed, "num_clients": clients, "num_server_rounds": 1, "capture_rounds": "1",
+        "model_seed": v.model_seed, "num_clients": clients, "num_server_rounds": rounds, "capture_rounds": str(rounds),
         "victim_batch_size": v.victim_batch_size, "audit": True, "run_dir": str(fed_dir), "data_root": v.data_root,
         "seed": v.seed,
-    }))
+    })
+    config.update(to_run_config(federation or {}))
+    return _run_federation(config)
 
 
 def accuracy_jobs(selected: list[tuple[Experiment, Cell]]) -> dict[tuple[str, str, float], dict[str, Any]]:
     jobs: dict[tuple[str, str, float], dict[str, Any]] = {}
     for exp, cell in selected:
-        if exp.accuracy is not None and "accuracy" in cell.paper:
+        if exp.accuracy is not None and "accuracy" in cell.paper and not cell.federation:  # those train their own
             jobs.setdefault((cell.model, cell.dataset, cell.p), dict(exp.accuracy.get("run_config") or {}))
     return jobs
 
@@ -128,8 +140,8 @@ def _run_sequential(experiments: list[Experiment], selected: list[tuple[Experime
         log(f"[bold cyan]{head}[/bold cyan]{resume}: {cell.label()}, {', '.join(cell.attacks)}{eta}")
         (run_dir / "failed.txt").unlink(missing_ok=True)
         try:
-            if settings.victim_source == "federated":
-                capture_federation(configs[cell.key], settings, log)
+            if settings.victim_source == "federated" or cell.federation:
+                capture_federation(configs[cell.key], settings, log, cell.federation)
             run_attack(configs[cell.key], run_dir, progress=settings.progress, log=lambda m: log(f"  {m}"))
         except KeyboardInterrupt:
             write_report(experiments, selected, out, settings)
@@ -159,10 +171,10 @@ def _run_on_ray(experiments: list[Experiment], selected: list[tuple[Experiment, 
         todo.append((cell, configs[cell.key], run_dir))
     if not todo:
         return {"skipped": skipped}
-    if settings.victim_source == "federated":
-        for cell, cfg, _ in todo:
+    for cell, cfg, _ in todo:
+        if settings.victim_source == "federated" or cell.federation:
             log(f"[bold]{cell.key}[/bold]: capturing the federated victims")
-            capture_federation(cfg, settings, log)
+            capture_federation(cfg, settings, log, cell.federation)
     cluster.connect(ray)
     try:
         described = cluster.check_resources(ray)
@@ -186,7 +198,7 @@ def run_experiments(
     """Run (or skip) every selected cell, then write the report. Returns counts and the report path.
     With ``ray``, the unfinished cells run as Ray tasks (:mod:`.cluster`), the report grows as they finish."""
     out = Path(out)
-    if settings.victim_source == "federated":
+    if settings.victim_source == "federated" or any(c.federation for e in experiments for c in e.cells):
         settings = replace(settings, federation_dir=str(out / "federations"))
     selected = select_cells(experiments, settings)
     if not selected:

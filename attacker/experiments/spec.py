@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from fedsim.run_config import DEFAULTS, resolve_config, to_run_config
+from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config, to_run_config
 from fedsim.task import local_plan
 
 from ..config import ConfigError, RunConfig, parse_config
@@ -22,7 +22,10 @@ PAPER_VICTIMS = {
 }
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT_KEYS = {"name", "title", "source", "victims", "attack_overrides", "metrics", "accuracy", "figures", "cells"}
-CELL_KEYS = {"id", "model", "dataset", "p", "victim_batch_size", "attacks", "overrides", "model_options", "victims", "optional", "paper"}
+CELL_KEYS = {"id", "model", "dataset", "p", "victim_batch_size", "attacks", "overrides", "model_options", "victims", "optional", "paper",
+             "federation"}
+# Set by the cell itself, so not in its ``federation`` settings.
+_FEDERATION_FIXED = {"model", "dataset", "p", "model-options", "run-dir", "data-root"}
 METRICS = {"ssim", "mmd"}  # the paper's per-cell metrics we compare; ssim in the paper's space
 FIGURE_KEYS = {"name", "metric", "x", "series", "panel", "attack"}
 
@@ -45,6 +48,9 @@ class Cell:
     victims: dict[str, Any] = field(default_factory=dict)
     optional: bool = False
     paper: dict[str, Any] = field(default_factory=dict)
+    # Run config settings of the cell's own federation (e.g. a defense): with them, the cell's victims
+    # are that federation's captured round and its accuracy is that federation's (attacker.experiments.run).
+    federation: dict[str, Any] = field(default_factory=dict)
 
     @property
     def B(self) -> int:
@@ -80,7 +86,7 @@ class Cell:
                 f"E={r.get('local_epochs', DEFAULTS['local-epochs'])} {self.optimizer} lr={r.get('lr', DEFAULTS['lr'])}")
 
     def label(self) -> str:
-        extra = "".join(f", {k}={v}" for k, v in self.overrides.items())
+        extra = "".join(f", {k}={v}" for k, v in {**self.federation, **self.overrides}.items())
         return f"{self.model}/{self.dataset} p={self.p:g} B={self.B}{extra}"
 
 
@@ -184,11 +190,18 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
                 continue
             _need(isinstance(value, dict) and set(value) <= METRICS, cw,
                   f"paper.{key} must map metrics {sorted(METRICS)} to values (null when unknown)")
-        for key in ("overrides", "model_options", "victims"):
+        for key in ("overrides", "model_options", "victims", "federation"):
             _need(isinstance(raw.get(key) or {}, dict), cw, f"{key} must be a mapping")
+        federation = dict(raw.get("federation") or {})
+        fixed = sorted(set(to_run_config(federation)) & _FEDERATION_FIXED)
+        _need(not fixed, cw, f"federation must not set {', '.join(fixed)} (the cell sets them)")
+        try:
+            resolve_config(to_run_config(federation))
+        except RunConfigError as err:
+            raise ExperimentError(f"{cw}: federation: {err}") from None
         cells.append(Cell(name, cid, str(raw["model"]), str(raw["dataset"]), float(p), int(b), list(attacks),
                           dict(raw.get("overrides") or {}), dict(raw.get("model_options") or {}),
-                          dict(raw.get("victims") or {}), bool(raw.get("optional", False)), dict(paper)))
+                          dict(raw.get("victims") or {}), bool(raw.get("optional", False)), dict(paper), federation))
     return Experiment(name, str(data.get("title") or name), str(data.get("source") or ""), dict(data.get("victims") or {}),
                       dict(data.get("attack_overrides") or {}), metrics, accuracy, figures, cells, path)
 
@@ -220,7 +233,7 @@ def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, An
     elif settings.victim_source == "builtin":
         victims["source"] = "builtin"
         victims.pop("file", None)
-    elif settings.victim_source == "federated":
+    if settings.victim_source == "federated" or cell.federation:  # a cell with its own federation: always
         victims["source"], victims["captures"] = "captures", str(Path(settings.federation_dir) / cell.key)
         victims.pop("file", None)
     count = settings.victims if settings.victims is not None else int(victims.get("count", 128))
