@@ -307,15 +307,20 @@ class PerJobGradients:
         return terms
 
 
-def autograd_terms(model: nn.Module, x: Tensor, labels: Tensor, targets: list[Tensor]) -> MatchTerms:
+def autograd_terms(
+    model: nn.Module, x: Tensor, labels: Tensor, targets: list[Tensor], support: list[Tensor] | None = None
+) -> MatchTerms:
     """The same terms for ONE job by plain autograd: the reference, and the path for models that
-    ``PerJobGradients`` does not support (BatchNorm). targets[p]: (1, *param_shape)."""
+    ``PerJobGradients`` does not support (BatchNorm) or for a job that matches only the entries in
+    ``support`` (a pruned capture: the dummy gradient is cut to them too). targets[p]: (1, *param_shape)."""
     params = [p for p in model.parameters()]
     loss = F.cross_entropy(model(x), labels)
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     dots, norms, tnorms = [], [], []
     for g, p, tgt in zip(grads, params, targets):
         g = torch.zeros_like(p) if g is None else g
+        if support is not None:
+            g = g * support[len(dots)]
         dots.append((g * tgt[0]).sum().reshape(1))
         norms.append(g.pow(2).sum().reshape(1))
         tnorms.append(tgt.pow(2).sum().reshape(1))

@@ -27,7 +27,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
-from .jobs import Oracle, VictimJob, model_from_job
+from .jobs import Oracle, VictimJob, model_from_job, support_mask
 from .masks import MaskContext, mask_mode
 from .replay import replay_terms
 from .objectives import DISTANCES, TERMS, TermInputs, term_weight
@@ -89,9 +89,13 @@ class InversionModule(L.LightningModule):
             param.requires_grad_(False)
         self.plan = first.plan  # an update job: the client's local round, replayed (attacker.replay)
         self.steps = first.steps  # which of a job's B images each local step uses
+        # Pruned captures (match_support): only the entries the client kept are matched, so the dummy
+        # gradient is cut to them; that needs it materialized, job by job (autograd_terms).
+        self.supports = [support_mask(j) for j in jobs]
+        self.masked = any(s is not None for s in self.supports)
         self.ghost: PerJobGradients | None = None
         try:
-            if self.plan is None:
+            if self.plan is None and not self.masked:
                 self.ghost = PerJobGradients(self.model)
         except UnsupportedModelError:
             if self.V > 1:
@@ -207,6 +211,31 @@ class InversionModule(L.LightningModule):
         shape = self.mask_shapes[layer]
         return torch.bernoulli(torch.full(shape, 1.0 - self.p, device=self.box_low.device))
 
+    def _support(self, j: int, device: torch.device) -> list[Tensor] | None:
+        support = self.supports[j]
+        if support is not None and support[0].device != device:  # moved once, with the module
+            self.supports[j] = support = [s.to(device) for s in support]
+        return support
+
+    def _masked_terms(self, x: Tensor, active: list[int], layers: list[Tensor]) -> MatchTerms:
+        """Job by job by autograd, each dummy gradient cut to its job's support (pruned captures)."""
+        B, parts = self.B, []
+        for param in self.model.parameters():
+            param.requires_grad_(True)
+        try:
+            for k, j in enumerate(active):
+                rows = slice(k * B, (k + 1) * B)
+                if layers:
+                    set_masks(self.model, [layer[rows] for layer in layers])
+                targets = [getattr(self, f"target_{i}")[j:j + 1] for i in range(self.num_params)]
+                parts.append(autograd_terms(self.model, x[rows], self.labels.view(self.V, B)[j], targets,
+                                            self._support(j, x.device)))
+        finally:
+            for param in self.model.parameters():
+                param.requires_grad_(False)
+        return MatchTerms(torch.cat([t.dot for t in parts], 1), torch.cat([t.norm2 for t in parts], 1),
+                          torch.cat([t.target_norm2 for t in parts], 1), parts[0].names)
+
     def _terms(self, x: Tensor, active: list[int]) -> MatchTerms:
         labels = self.labels.view(self.V, self.B)[active].reshape(-1)
         if self.ghost is None:
@@ -234,7 +263,8 @@ class InversionModule(L.LightningModule):
         targets = [[getattr(self, f"target_{i}")[j] for i in range(self.num_params)] for j in active]
         labels = [self.labels.view(self.V, self.B)[j] for j in active]
         start = dict(self.model.named_parameters())
-        terms = replay_terms(self.model, start, self.plan, [self.images[j] for j in active], labels, per_step, targets)
+        terms = replay_terms(self.model, start, self.plan, [self.images[j] for j in active], labels, per_step, targets,
+                             [self._support(j, self.labels.device) for j in active])
         layers = [torch.cat([masks[j][i] for j in active]) for i in range(len(self.mask_shapes))]
         return terms, layers
 
@@ -248,7 +278,7 @@ class InversionModule(L.LightningModule):
                 layers = [torch.cat([self._mask(j, i) for j in active]) for i in range(len(self.mask_shapes))]
                 set_masks(self.model, layers)
                 set_dropout_mode(self.model, DropoutMode.LEARN)
-            terms = self._terms(x, active)
+            terms = self._masked_terms(x, active, layers) if self.masked else self._terms(x, active)
         index = torch.tensor(active, device=x.device)
         chosen = self.distance_index.index_select(0, index)
         loss = DISTANCES[self.distance_names[0]](terms)

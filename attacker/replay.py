@@ -36,16 +36,21 @@ def replay_terms(
     labels: list[Tensor],
     masks: list[list[list[Tensor]]],
     targets: list[list[Tensor]],
+    supports: list[list[Tensor] | None] | None = None,
 ) -> MatchTerms:
     """For each job j: replay ``plan`` on ``images[j]`` with ``masks[j]`` (per step, per dropout
-    layer) from the weights ``start``, and return <Δ_j, Δ*_j>, ||Δ_j||², ||Δ*_j||² per parameter."""
+    layer) from the weights ``start``, and return <Δ_j, Δ*_j>, ||Δ_j||², ||Δ*_j||² per parameter.
+    ``supports[j]`` (a pruned capture) cuts the replayed Δ_j to the entries the client kept."""
     names = [n for n, _ in model.named_parameters()]
     dots, norms, target_norms = [], [], []
-    for x, y, job_masks, target in zip(images, labels, masks, targets):
+    for j, (x, y, job_masks, target) in enumerate(zip(images, labels, masks, targets)):
         job_plan = replace(plan, dropout="learn", masks=job_masks, differentiable=True, keep_gradients=False,
                            record_masks=False)
         update = run_local_round(model, TensorDataset(x, y), job_plan, start=start).update
         delta = [update[n] for n in names]
+        support = supports[j] if supports is not None else None
+        if support is not None:
+            delta = [d * s for d, s in zip(delta, support)]
         dots.append(torch.stack([(d * t).sum() for d, t in zip(delta, target)]))
         norms.append(torch.stack([(d * d).sum() for d in delta]))
         target_norms.append(torch.stack([(t * t).sum() for t in target]))

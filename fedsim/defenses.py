@@ -107,8 +107,8 @@ DEFENSES: dict[str, Defense] = {
                 needs_float_state=True),
         Defense("prune", "keep the prune-fraction largest entries (by magnitude) of each tensor of the update",
                 _prune_mods, None, "the client's pruned update",
-                "requested: match only the surviving (nonzero) entries (VictimJob.match_support); "
-                "not yet applied by the matching terms"),
+                "only the surviving (nonzero) entries are matched: the dummy's gradient or replayed update is "
+                "cut to them (VictimJob.match_support)"),
     )
 }
 

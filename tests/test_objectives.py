@@ -57,3 +57,33 @@ def test_a_new_term_is_one_function_and_one_key(mnist_like, monkeypatch):
     assert seen["called"]
     torch.testing.assert_close(loss[0], loss_base[0])
     torch.testing.assert_close(loss[1] - loss_base[1], 2.0 * images[1:2].mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pruned_capture_is_matched_on_its_surviving_entries_only(mnist_like):
+    """Under pruning the dummy gradient is cut to the entries the client kept: a dummy that equals the
+    client's image then matches the pruned target exactly (cosine distance 0), which the full dummy
+    gradient would not."""
+    x, y = mnist_like
+    spec = ModelSpec("mlp", "mnist", 0.0, 0, {"width": 32})
+    jobs, oracles = jobs_from_images(spec, [(x[:1], y[:1]), (x[1:2], y[1:2])])
+    pruned = []
+    for job in jobs:  # keep the 10 % largest entries of each tensor, as the prune mod does
+        kept = []
+        for g in job.gradient:
+            k = max(1, int(0.1 * g.numel()))
+            threshold = g.abs().flatten().kthvalue(g.numel() - k + 1).values
+            kept.append(torch.where(g.abs() >= threshold, g, torch.zeros_like(g)))
+        pruned.append(dataclasses.replace(job, gradient=kept, match_support=True))
+    attack = make_attack("ig_eval")
+    for jobs_, expect_zero in ((pruned, True), ([dataclasses.replace(j, match_support=False) for j in pruned], False)):
+        module = InversionModule(jobs_, [attack, attack])
+        with torch.no_grad():
+            for j, oracle in enumerate(oracles):
+                module.images[j].copy_(oracle.images)
+        loss, _ = module.job_losses([0, 1])
+        tv = module.weight_tv_weight * objectives.total_variation(torch.cat([o.images for o in oracles]), 2)
+        distance = loss.detach() - tv
+        if expect_zero:
+            assert distance.abs().max() < 1e-5
+        else:
+            assert distance.min() > 1e-2
