@@ -98,6 +98,9 @@ class LocalPlan:
     keep_gradients: bool = False  # record each step's parameter gradient
     differentiable: bool = False  # keep the graph through every step (the attacker's replay)
     seed: int = 0  # batch order and sampled dropout masks
+    # Explicit index batches of every step, overriding ``schedule.batches`` (the attacker's unknown-order
+    # replay: epoch e's steps run on its own copy of the images, indices e*N + i, in order).
+    batches: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dropout not in DROPOUT_BEHAVIOURS:
@@ -182,6 +185,15 @@ def _gather(data: Dataset, indices: list[int]) -> tuple[Tensor, Tensor]:
     return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.tensor([int(y) for _, y in items])
 
 
+def plan_batches(plan: LocalPlan, n: int) -> list[list[int]]:
+    """The index batches of every step of ``plan`` on ``n`` images: its explicit batches, else its schedule's."""
+    if plan.batches is None:
+        return plan.schedule.batches(n, plan.seed)
+    if not plan.batches or any(not b or min(b) < 0 or max(b) >= n for b in plan.batches):
+        raise LocalPlanError(f"explicit batches must be non-empty and index the {n} images")
+    return [list(b) for b in plan.batches]
+
+
 def run_local_round(
     model: nn.Module,
     data: Dataset,
@@ -195,8 +207,7 @@ def run_local_round(
     replay passes tensors in its graph there). The model object itself is not changed, except
     for buffers such as BatchNorm's running statistics, which train as in ``model.train()``.
     """
-    schedule = plan.schedule
-    batches = schedule.batches(len(data), plan.seed)  # type: ignore[arg-type]
+    batches = plan_batches(plan, len(data))  # type: ignore[arg-type]
     if plan.masks is not None and len(plan.masks) < len(batches):
         raise LocalPlanError(f"{len(plan.masks)} mask sets for {len(batches)} steps")
     update_rule = UPDATES[plan.optimizer.name](plan.optimizer, plan.differentiable)

@@ -4,6 +4,8 @@ are torch.optim's. The references below are the project's previous, separate imp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,19 @@ def test_bad_plans_are_refused():
         Schedule(order="random")
     with pytest.raises(LocalPlanError):
         LocalPlan(dropout="replay")
+
+
+def test_explicit_batches_override_the_schedule() -> None:
+    """LocalPlan.batches (the attacker's unknown-order replay) runs exactly the given index batches."""
+    from fedsim.client_step import plan_batches
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    data = TensorDataset(torch.randn(6, 12), torch.tensor([0, 1, 2, 0, 1, 2]))
+    shuffled = LocalPlan(Schedule(epochs=2, batch_size=3, order="shuffled"), OptimizerSpec("sgd", 0.1), seed=5)
+    explicit = dataclasses.replace(shuffled, batches=tuple(tuple(b) for b in plan_batches(shuffled, 6)))
+    a, b = run_local_round(model, data, shuffled), run_local_round(model, data, explicit)
+    assert [s.indices for s in a.steps] == [s.indices for s in b.steps]
+    assert all(torch.equal(a.update[k], b.update[k]) for k in a.update)
+    with pytest.raises(LocalPlanError, match="explicit batches"):
+        run_local_round(model, data, dataclasses.replace(shuffled, batches=((0, 6),)))
