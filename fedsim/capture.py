@@ -67,6 +67,9 @@ class Capture:
     gradient: list[torch.Tensor] | None = None
     update: dict[str, torch.Tensor] | None = None
     labels: torch.Tensor | None = None
+    # An update with known labels: the labels in the order the client's steps used the images (flattened),
+    # what an attacker needs when it does not know the batch order. Absent in records written before.
+    step_labels: torch.Tensor | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     local_steps: int = 1  # K, the local steps behind an update (as the client reported it)
     # The defense active in the run (fedsim.defenses) and, in words, what the capture therefore holds
@@ -153,6 +156,8 @@ def save_capture(directory: str | Path, capture: Capture) -> Path:
         if capture.labels is None:
             raise CaptureError("label policy 'known' needs the labels")
         tensors["labels"] = capture.labels.to(torch.int64)
+    if capture.step_labels is not None:
+        tensors["step_labels"] = capture.step_labels.to(torch.int64)
     meta = {
         "format": CAPTURE_FORMAT,
         "schema_version": SCHEMA_VERSION,
@@ -296,6 +301,7 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             gradient=gradient,
             update=update,
             labels=labels,
+            step_labels=tensors.get("step_labels"),  # optional: records written before had none
             hyperparameters=dict(meta.get("hyperparameters", {})),
             local_steps=int(meta.get("local_steps", 1)),
             defense=str(meta.get("defense", "none")),  # records written before defenses existed had none

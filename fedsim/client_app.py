@@ -2,7 +2,8 @@
 
 A train reply holds exactly one ArrayRecord ("arrays") and one MetricRecord ("metrics", with
 "num-examples"), as FedAvg requires; what else the client discloses goes in ConfigRecords:
-"meta" (mode, batch size, lr, and the labels when the audit assumes them known) and, only in audit
+"meta" (mode, batch size, lr, and the labels when the audit assumes them known: for an update also
+per step, in the order the steps used the images) and, only in audit
 mode, "oracle" (true images, labels and dropout masks as safetensors bytes: a ConfigRecord because
 FedAvg allows one ArrayRecord per reply). The server keeps the oracle apart from its captures.
 """
@@ -111,6 +112,8 @@ def handle_train(msg: Message, context: Context) -> Message:
             images, labels = next(iter(DataLoader(data, batch_size=len(data))))  # type: ignore[arg-type]
         if cfg["labels"] == "known":
             meta["labels"] = [int(v) for v in labels]  # the audit's "labels known" assumption
+            if capture_update:  # and the labels in the order the steps used the images (an unknown batch order)
+                meta["step-labels"] = [int(labels[i]) for step in result.steps for i in step.indices]
         if cfg["audit"]:
             content["oracle"] = ConfigRecord({"safetensors": oracle_bytes(images, labels, result.steps)})
     content["arrays"] = arrays

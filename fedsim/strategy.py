@@ -179,7 +179,8 @@ class CuriousFedAvg(FedAvg):
                 k: (v.double() - local_state[k].double()).to(v.dtype) if v.is_floating_point() else local_state[k]
                 for k, v in global_state.items()
             }
-            capture = Capture(kind="update", update=update, labels=labels,
+            step_labels = torch.tensor(meta["step-labels"], dtype=torch.int64) if "step-labels" in meta else None
+            capture = Capture(kind="update", update=update, labels=labels, step_labels=step_labels,
                               label_policy="known" if labels is not None else "recovered",
                               local_steps=int(meta.get("local-steps", 1)), **common)
         if self.capture_dir is not None:
