@@ -29,10 +29,12 @@ def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def replay_plan(capture: Capture) -> LocalPlan:
+def replay_plan(capture: Capture, batch_order: str = "known") -> LocalPlan:
     """The client's local round as the server sent it (the capture's hyperparameters), read with the
-    same function the client used (``fedsim.task.local_plan``), batches in order (the attacker's
-    known-order assumption). A plan the replay does not know is a CaptureError naming the problem."""
+    same function the client used (``fedsim.task.local_plan``), batches in order. With a known batch
+    order (the default) a round shuffled across several epochs is refused; with "unknown" it is
+    replayed on one copy of the images per epoch (``attacker.jobs.unknown_order``), which needs the
+    capture's per-step labels. A plan the replay does not know is a CaptureError naming the problem."""
     sent = capture.hyperparameters
     missing = [k for k in ("optimizer", "lr", "local-epochs", "batch-size", "local-steps") if k not in sent]
     if missing:
@@ -45,9 +47,14 @@ def replay_plan(capture: Capture) -> LocalPlan:
     if plan.schedule.order == "shuffled" and plan.schedule.epochs > 1 and plan.schedule.max_steps == 0 \
             and plan.schedule.batch_size and plan.schedule.batch_size < capture.num_examples:
         # Within one epoch a shuffled order is only a relabelling of the dummies; across epochs the
-        # replay would have to tie each epoch's copy of an image without knowing where it went.
-        raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs; the "
-                           "replay assumes a known batch order (run the audit with batch-order in-order)")
+        # replay has to tie each epoch's copy of an image without knowing where it went.
+        if batch_order == "known":
+            raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs; a "
+                               "known batch order cannot replay it (attack it with attack_overrides: "
+                               "{batch_order: unknown}, or --batch-order unknown)")
+        if capture.step_labels is None:
+            raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs and "
+                               "the capture lacks per-step labels, which the unknown batch order needs")
     plan = replace(plan, schedule=replace(plan.schedule, order="in-order"), record_masks=False)
     steps = len(plan.schedule.batches(capture.num_examples, 0))
     if steps != capture.local_steps:
@@ -57,13 +64,15 @@ def replay_plan(capture: Capture) -> LocalPlan:
 
 
 def jobs_from_captures(
-    paths: list[Path], run_dir: Path | None = None, label_policy: str = "known", skip_bad: bool = False
+    paths: list[Path], run_dir: Path | None = None, label_policy: str = "known", skip_bad: bool = False,
+    batch_order: str = "known",
 ) -> tuple[list[VictimJob], list[Oracle | None], list[str]]:
     """Load captures as jobs: a one-step gradient, or an update with the local round to replay.
     Captures that share the same global weights (one round) share one weights object, so their jobs
     run as one optimization. Returns the jobs, their oracles (None where the run was not audited)
-    and a note per skipped capture. A capture that cannot be read or replayed raises CaptureError,
-    or with ``skip_bad`` (live attacks: the others go on) is skipped with a note."""
+    and a note per skipped capture. ``batch_order`` is the attacks' (see ``replay_plan``). A capture
+    that cannot be read or replayed raises CaptureError, or with ``skip_bad`` (live attacks: the
+    others go on) is skipped with a note."""
     jobs: list[VictimJob] = []
     oracles: list[Oracle | None] = []
     skipped: list[str] = []
@@ -71,7 +80,7 @@ def jobs_from_captures(
     for path in paths:
         try:
             capture: Capture = load_capture(path)
-            plan = replay_plan(capture) if capture.kind == "update" else None
+            plan = replay_plan(capture, batch_order) if capture.kind == "update" else None
         except CaptureError as err:
             if not skip_bad:
                 raise
@@ -104,7 +113,7 @@ def jobs_from_captures(
         count = capture.label_count
         if label_policy == "known" and capture.labels is not None:
             job = VictimJob(job_id, capture.spec, weights, shared, capture.labels.long(), "known", meta, plan,
-                            match_support=defense.name == "prune")
+                            match_support=defense.name == "prune", step_labels=capture.step_labels)
         else:
             job = VictimJob(job_id, capture.spec, weights, shared, torch.zeros(count, dtype=torch.long), "recovered",
                             meta, plan, match_support=defense.name == "prune")

@@ -27,7 +27,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
-from .jobs import Oracle, VictimJob, model_from_job, support_mask
+from .jobs import Oracle, VictimJob, merge_copies, model_from_job, support_mask
 from .masks import MaskContext, mask_mode
 from .replay import replay_terms
 from .objectives import DISTANCES, TERMS, TermInputs, term_weight
@@ -37,7 +37,7 @@ from .objectives import DISTANCES, TERMS, TermInputs, term_weight
 class JobResult:
     job_id: str
     attack: str
-    images: Tensor  # best-loss iterate, normalized space
+    images: Tensor  # best-loss iterate, normalized space (an unknown batch order: its epoch copies merged, N images)
     masks: list[Tensor] | None  # learned masks at the best iterate (DIA only)
     best_loss: float
     best_iteration: int
@@ -78,7 +78,7 @@ class InversionModule(L.LightningModule):
         for job in jobs[1:]:
             if job.spec != first.spec or job.weights is not first.weights or job.batch_size != first.batch_size:
                 raise ValueError("jobs of one module must share model spec, weights and batch size")
-            if job.kind != first.kind or job.steps != first.steps:
+            if job.kind != first.kind or job.steps != first.steps or job.copies != first.copies:
                 raise ValueError("jobs of one module must share what they match (gradient or update) and its steps")
         self.automatic_optimization = False
         self.jobs, self.attacks = jobs, attacks
@@ -89,6 +89,7 @@ class InversionModule(L.LightningModule):
             param.requires_grad_(False)
         self.plan = first.plan  # an update job: the client's local round, replayed (attacker.replay)
         self.steps = first.steps  # which of a job's B images each local step uses
+        self.copies = first.copies  # an unknown batch order: B = copies x N dummies (attacker.jobs.unknown_order)
         # Pruned captures (match_support): only the entries the client kept are matched, so the dummy
         # gradient is cut to them; that needs it materialized, job by job (autograd_terms).
         self.supports = [support_mask(j) for j in jobs]
@@ -165,8 +166,10 @@ class InversionModule(L.LightningModule):
         learns = [mask_mode(a.masks, self.p).kind == "learn" for a in attacks]
         self.term_keys = list(TERMS)
         for key in self.term_keys:
-            weights = [term_weight(a, key, first.spec.name) if learned or not TERMS[key].learned_masks_only else 0.0
-                       for a, learned in zip(attacks, learns)]
+            term = TERMS[key]
+            weights = [term_weight(a, key, first.spec.name)
+                       if (learned or not term.learned_masks_only) and (self.copies > 1 or not term.copies_only)
+                       else 0.0 for a, learned in zip(attacks, learns)]
             self.register_buffer(f"weight_{key}", torch.tensor(weights), persistent=False)
         self.iteration = 0
         self.status = ["running"] * self.V
@@ -284,7 +287,7 @@ class InversionModule(L.LightningModule):
         loss = DISTANCES[self.distance_names[0]](terms)
         for d, name in enumerate(self.distance_names[1:], start=1):
             loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
-        inputs = TermInputs(terms, x, len(active), layers, self.p)
+        inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies)
         for key in self.term_keys:
             weight = getattr(self, f"weight_{key}").index_select(0, index)
             if weight.any():  # a term no active job uses is not computed
@@ -372,7 +375,7 @@ class InversionModule(L.LightningModule):
         pixels = self.B * int(torch.Size(self.jobs[0].spec.input_shape).numel())
         for j, (job, attack) in enumerate(zip(self.jobs, self.attacks)):
             best = self.best_images[j]
-            images = (best if best is not None else self.images[j].detach()).cpu()
+            images = merge_copies((best if best is not None else self.images[j].detach()).cpu(), self.copies)
             masks = [m.cpu() for m in self.best_masks[j]] if self.best_masks[j] else None
             learned = sum(self.learned[k].numel() for kind, k in self.mask_slots[j] if kind == "learn")
             out.append(

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from fedsim.client_step import LocalPlan, one_step_plan, run_local_round
+from fedsim.client_step import LocalPlan, one_step_plan, plan_batches, run_local_round
 from fedsim.models import ModelSpec, build_model
 
 
@@ -31,6 +33,10 @@ class VictimJob:
     # The adaptive attack on pruning: match only the entries the client kept, i.e. where ``gradient``
     # is nonzero (``support_mask``). Set from the capture's defense (attacker.captures), nowhere else.
     match_support: bool = False
+    # An update job: the labels of the images in the order the client's steps used them (flattened),
+    # as a client with known labels discloses them; what an unknown batch order needs (``unknown_order``).
+    step_labels: Tensor | None = None
+    copies: int = 1  # > 1: an unknown-order job whose B images are this many epoch copies of N images
 
     @property
     def kind(self) -> str:
@@ -41,7 +47,7 @@ class VictimJob:
         """Which of the job's images each local step used (one step on all of them for a gradient)."""
         if self.plan is None:
             return [list(range(self.batch_size))]
-        return self.plan.schedule.batches(self.batch_size, self.plan.seed)
+        return plan_batches(self.plan, self.batch_size)
 
     @property
     def batch_size(self) -> int:
@@ -84,6 +90,52 @@ def as_one_gradient(job: VictimJob) -> VictimJob:
     return replace(job, gradient=gradient, plan=None, meta=dict(job.meta, as_gradient=True))
 
 
+class BatchOrderError(ValueError):
+    """An update job that the unknown-order replay cannot take."""
+
+
+def unknown_order(job: VictimJob) -> VictimJob:
+    """An update job for an attacker that does not know the batch order: the attacker optimizes one
+    copy of the N images per epoch (B = E·N dummies), epoch e's steps running in order on copy e
+    (indices e·N + i), and copy e's position i carries the label of the image the client used there
+    (the per-step labels: assumed known, as the labels are). The copies are tied by the order-invariant
+    prior (``objectives``, lambda_order); the reported reconstruction merges them (``merge_copies``)."""
+    plan, n = job.plan, job.batch_size
+    if plan is None or job.copies > 1:
+        return job
+    if job.step_labels is None:
+        raise BatchOrderError(f"job {job.job_id}: an unknown batch order needs the labels of every step's "
+                              "images, and this victim lacks per-step labels")
+    in_order = replace(plan, schedule=replace(plan.schedule, order="in-order"))
+    sizes = [len(b) for b in plan_batches(in_order, n)]
+    total = sum(sizes)
+    if total % n or int(job.step_labels.numel()) != total:
+        raise BatchOrderError(f"job {job.job_id}: an unknown batch order needs whole epochs and one label per "
+                              f"image of every step ({total} images in the steps, N = {n}, "
+                              f"{int(job.step_labels.numel())} step labels)")
+    batches, start = [], 0
+    for size in sizes:
+        batches.append(tuple(range(start, start + size)))
+        start += size
+    return replace(job, labels=job.step_labels.long().clone(), plan=replace(in_order, batches=tuple(batches)),
+                   copies=total // n, meta=dict(job.meta, batch_order="unknown"))
+
+
+def merge_copies(images: Tensor, copies: int) -> Tensor:
+    """One set of N images from ``copies`` epoch copies (rows copy-major): each copy is matched to copy
+    1 image by image (Hungarian assignment on squared distance), then the matched images are averaged."""
+    if copies <= 1:
+        return images
+    sets = images.reshape(copies, -1, *images.shape[1:])
+    first = sets[0].flatten(1)
+    merged = [sets[0]]
+    for other in sets[1:]:
+        cost = torch.cdist(first.double(), other.flatten(1).double()) ** 2
+        _, cols = linear_sum_assignment(cost.numpy())
+        merged.append(other[torch.as_tensor(cols)])
+    return torch.stack(merged).mean(0)
+
+
 def model_from_job(job: VictimJob) -> nn.Module:
     model = build_model(job.spec)
     model.load_state_dict(job.weights)
@@ -113,13 +165,14 @@ def jobs_from_images(
         if plan is None:  # one plain SGD step on the batch
             (step,) = run_local_round(model, data, one_step_plan(1.0, seed=job_seed, float64=False,
                                                                  keep_gradients=True)).steps
-            shared, masks, job_plan = step.gradient, tuple(step.masks), None
+            shared, masks, job_plan, step_labels = step.gradient, tuple(step.masks), None, None
         else:
             job_plan = replace(plan, seed=job_seed, record_masks=True)
             result = run_local_round(model, data, job_plan)
             shared = [result.update[n] for n in names]
             masks = tuple(m for step in result.steps for m in step.masks)
+            step_labels = labels[torch.tensor([k for step in result.steps for k in step.indices])].long()
         jobs.append(VictimJob(f"{prefix}{i:03d}", spec, weights, shared, labels.clone(), "known", {"index": i},
-                              job_plan))
+                              job_plan, step_labels=step_labels))
         oracles.append(Oracle(images.clone(), masks))
     return jobs, oracles

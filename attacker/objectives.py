@@ -29,6 +29,7 @@ class TermInputs:
     num_jobs: int
     masks: list[Tensor]
     p: float
+    copies: int = 1  # an unknown batch order: each job's images are this many epoch copies (copy-major)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Term:
     key: str  # the AttackConfig field holding its weight
     fn: Callable[[TermInputs], Tensor]
     learned_masks_only: bool = False  # weight forced to 0 for jobs whose masks are not learned
+    copies_only: bool = False  # weight forced to 0 for jobs without epoch copies (a known batch order)
     default: Callable[[str], float] | None = None  # the weight when the config says None, by model name
 
 
@@ -51,9 +53,10 @@ def distance(name: str):
     return register
 
 
-def term(key: str, *, learned_masks_only: bool = False, default: Callable[[str], float] | None = None):
+def term(key: str, *, learned_masks_only: bool = False, copies_only: bool = False,
+         default: Callable[[str], float] | None = None):
     def register(fn: Callable[[TermInputs], Tensor]) -> Callable[[TermInputs], Tensor]:
-        TERMS[key] = Term(key, fn, learned_masks_only, default)
+        TERMS[key] = Term(key, fn, learned_masks_only, copies_only, default)
         return fn
 
     return register
@@ -103,6 +106,23 @@ def total_variation_term(inputs: TermInputs) -> Tensor:
 @term("lambda_mask", learned_masks_only=True)
 def mask_term(inputs: TermInputs) -> Tensor:
     return mask_regularizer(inputs.masks, inputs.num_jobs, inputs.p)
+
+
+# 1e-2: the order prior is a mean squared pixel difference, O(0.1-1) for random dummies in normalized
+# space, so at 1e-2 it stays well below the cosine distance (in [0, 2]) it regularizes. Chosen by that
+# scale argument only: NOT tuned. It applies only to unknown-order jobs (copies_only).
+@term("lambda_order", copies_only=True, default=lambda model: 1e-2)
+def order_term(inputs: TermInputs) -> Tensor:
+    return copies_prior(inputs.images, inputs.num_jobs, inputs.copies)
+
+
+def copies_prior(x: Tensor, num_jobs: int, copies: int) -> Tensor:
+    """The order-invariant prior of an unknown batch order (after Dimitrov et al.'s epoch-copy prior): per
+    job, the mean over copies and pixels of (mean image of copy e - mean over all copies)². The same
+    images in any order give the same mean image, so the prior ties the copies without knowing which
+    image of one copy is which of another; it is zero when every copy is a permutation of the others."""
+    means = x.reshape(num_jobs, copies, -1, *x.shape[1:]).mean(2)  # (jobs, copies, ...)
+    return (means - means.mean(1, keepdim=True)).pow(2).flatten(1).mean(1)
 
 
 def total_variation(x: Tensor, num_jobs: int) -> Tensor:

@@ -16,7 +16,8 @@ from .attacks import AttackConfig
 from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
 from .inversion import JobResult
-from .jobs import Oracle, VictimJob, as_one_gradient, exact_as_gradient, jobs_from_images, model_from_job
+from .jobs import (BatchOrderError, Oracle, VictimJob, as_one_gradient, exact_as_gradient, jobs_from_images,
+                   model_from_job, unknown_order)
 from .labels import recover_labels
 from .metrics import LpipsScorer
 from .replay import unroll_bytes
@@ -63,7 +64,8 @@ def apply_label_policy(jobs: list[VictimJob], policy: str) -> list[VictimJob]:
     out = []
     for job in jobs:
         labels = recover_labels(model, job.gradient, job.batch_size)
-        out.append(replace(job, labels=labels, label_source="recovered"))
+        # recovered labels come without their step order: an unknown batch order cannot be attacked then
+        out.append(replace(job, labels=labels, label_source="recovered", step_labels=None))
     return out
 
 
@@ -78,8 +80,10 @@ def load_jobs(
         if v.max_captures:
             paths = paths[: v.max_captures]
         # live attacks (``only``) report a bad capture and attack the others; a whole run refuses it
+        # a capture shuffled across epochs is refused unless every attack takes the batch order as unknown
+        order = "unknown" if all(a.batch_order == "unknown" for a in cfg.attack_configs()) else "known"
         jobs, oracles, skipped = jobs_from_captures(paths, Path(v.captures), cfg.labels,  # type: ignore[arg-type]
-                                                    skip_bad=only is not None)
+                                                    skip_bad=only is not None, batch_order=order)
         for note in skipped:
             log(f"skipped {note}")
         if not jobs:
@@ -142,6 +146,7 @@ def run_attack(
     jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
     attack_cfgs = cfg.attack_configs()
     all_jobs: list[VictimJob] = []
+    scoring_jobs: list[VictimJob] = []  # as the client ran them (an unknown-order job is scored on N images)
     all_attacks: list[AttackConfig] = []
     all_oracles: list[Oracle | None] = []
     scoring_oracles: list[Oracle | None] = []
@@ -153,6 +158,12 @@ def run_attack(
                 job, oracle = as_one_gradient(job), (Oracle(oracle.images, ()) if oracle is not None else None)
             if attack.receives_oracle and oracle is None:
                 continue  # WIIG needs the client's true masks: only audited runs have them
+            scoring_jobs.append(job)
+            if job.plan is not None and attack.batch_order == "unknown":
+                try:
+                    job = unknown_order(job)
+                except BatchOrderError as err:
+                    raise ConfigError(f"attack {attack.name}: {err}") from None
             all_jobs.append(job)
             all_attacks.append(attack)
             all_oracles.append(oracle if attack.receives_oracle else None)  # the threat model (attacks.py)
@@ -175,8 +186,8 @@ def run_attack(
     log(f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "
         f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s")
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
-    rows = score_results(all_jobs, scoring_oracles, results, lpips)
-    summary = write_results(run_dir, all_jobs, scoring_oracles, results, rows,
+    rows = score_results(scoring_jobs, scoring_oracles, results, lpips)
+    summary = write_results(run_dir, scoring_jobs, scoring_oracles, results, rows,
                             title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}")
     elapsed = time.time() - started
     atomic_write(run_dir / "run.json", json.dumps({"status": "finished", "started": started, "seconds": elapsed}))

@@ -201,3 +201,104 @@ def test_live_watch_attacks_update_captures(tmp_path: Path) -> None:
     summaries = watch(run, tmp_path / "live", cfg, poll_s=0.01, log=lambda m: None)
     assert len(summaries) == 1 and len(summaries[0]["rows"]) == 4
     assert {r["batch_size"] for r in summaries[0]["rows"]} == {4}
+
+
+# -- an unknown batch order: one dummy copy per epoch, tied by the order-invariant prior ----------------
+
+
+def _shuffled_two_epoch_round(tmp_path: Path) -> Path:
+    return _captured_round(tmp_path, lr=0.05, optimizer="sgd", **{"batch-order": "shuffled", "local-epochs": 2,
+                                                                   "batch-size": 2})
+
+
+def test_unknown_order_replay_with_the_oracle_reproduces_a_shuffled_update(tmp_path: Path) -> None:
+    from attacker.jobs import unknown_order
+    from fedsim.capture import find_oracle, load_capture
+
+    run = _shuffled_two_epoch_round(tmp_path)
+    jobs, _, _ = jobs_from_captures(list_captures(run), run, batch_order="unknown")
+    assert len(jobs) == 2
+    for path, job in zip(list_captures(run), jobs):
+        record = find_oracle(run, load_capture(path))
+        used = [i for batch in record.batches for i in batch]  # the client's order: 2 epochs of 4 images
+        assert len(used) == 8 and sorted(used[:4]) == sorted(used[4:]) == [0, 1, 2, 3]
+        assert torch.equal(job.step_labels, record.labels[torch.tensor(used)])  # disclosed per step
+        copies = unknown_order(job)
+        assert copies.copies == 2 and copies.batch_size == 8 and copies.steps == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        model = model_from_job(copies)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        masks = [[m.float() for m in record.masks[t * 3:(t + 1) * 3]] for t in range(4)]
+        # copy e holds epoch e's images in the order epoch e used them: the replay is the client's round
+        images = record.images.float()[torch.tensor(used)]
+        terms = replay_terms(model, dict(model.named_parameters()), copies.plan, [images], [copies.labels], [masks],
+                             [copies.gradient])
+        total = terms.target_norm2.sum()
+        assert total > 0
+        torch.testing.assert_close(terms.norm2.sum(), total, rtol=1e-5, atol=0)
+        torch.testing.assert_close(terms.dot.sum(), total, rtol=1e-5, atol=0)
+
+
+def test_shuffled_epochs_need_the_unknown_order_and_its_step_labels(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from fedsim.capture import CaptureError
+
+    run = _shuffled_two_epoch_round(tmp_path / "fed")
+    assert attacker_main(["run", "--captures", str(run), "--iterations", "2", "--no-lpips", "--quiet",
+                          "--out", str(tmp_path / "known")]) == 2
+    text = capsys.readouterr().out.strip()
+    assert "shuffled across 2 epochs" in text and "batch_order: unknown" in text and text.startswith("error:")
+    out = tmp_path / "unknown"
+    code = attacker_main(["run", "--captures", str(run), "--attacks", "wiig", "dia", "--batch-order", "unknown",
+                          "--iterations", "3", "--no-lpips", "--quiet", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 and ",4," in rows[1]  # scored as the client's N = 4 images
+
+    import hashlib
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    for record in list_captures(run):  # as a record written before per-step labels
+        tensors = st_load((record / "tensors.safetensors").read_bytes())
+        tensors.pop("step_labels")
+        blob = st_save(tensors, metadata={"format": "fedsim.capture", "schema_version": "1"})
+        (record / "tensors.safetensors").write_bytes(blob)
+        meta = json.loads((record / "record.json").read_text())
+        meta["tensors_sha256"] = hashlib.sha256(blob).hexdigest()
+        (record / "record.json").write_text(json.dumps(meta))
+    with pytest.raises(CaptureError, match="lacks per-step labels"):
+        jobs_from_captures(list_captures(run), run, batch_order="unknown")
+
+
+def test_unknown_order_attack_on_offline_victims_runs_and_is_scored(
+        mnist_like: tuple[torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+    from attacker.jobs import unknown_order
+    from attacker.scoring import score_results
+
+    x, y = mnist_like
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=2, batch_size=2, order="shuffled"), OptimizerSpec("sgd", 0.05))
+    jobs, oracles = jobs_from_images(spec, [(x, y)], plan=plan)
+    assert jobs[0].steps != [[0, 1], [2, 3]] * 2  # the client's order was shuffled
+    copies = [unknown_order(j) for j in jobs]
+    attack = make_attack("dia", max_iterations=4, batch_order="unknown")
+    results = run_jobs(copies, [attack], None, tmp_path / "run", progress=False)
+    assert results[0].images.shape == (4, 1, 28, 28) and len(results[0].losses) == 4
+    rows = score_results(jobs, oracles, results, None)
+    assert len(rows) == 1 and rows[0]["batch_size"] == 4
+
+
+def test_the_order_prior_is_zero_for_permuted_copies() -> None:
+    from attacker.objectives import copies_prior
+
+    g = torch.Generator().manual_seed(0)
+    copy = torch.randn(4, 1, 6, 6, generator=g)
+    tied = torch.cat([copy, copy[torch.tensor([2, 0, 3, 1])]])
+    other = torch.cat([copy, torch.randn(4, 1, 6, 6, generator=g)])
+    values = copies_prior(torch.cat([tied, other]), 2, 2)
+    assert values[0].abs() < 1e-12 and values[1] > 1e-3
+    assert copies_prior(copy, 1, 1).abs().max() == 0  # one copy (a known order): nothing to tie
