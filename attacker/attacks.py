@@ -9,7 +9,7 @@ from .masks import MASK_INITS, MASK_MODES
 from .objectives import DISTANCES, TERMS, term_weight
 
 
-BATCH_ORDERS = ("known", "unknown")
+REPLAY_ORDERS = ("known", "unknown")
 
 
 class AttackConfigError(ValueError):
@@ -36,7 +36,7 @@ class AttackConfig:
     loss_threshold: float = 1e-5
     # The batch order of an update's local round: known (in-order batches, one set of N dummies) or
     # unknown (one copy of the N dummies per epoch, tied by the lambda_order prior; needs per-step labels).
-    batch_order: str = "known"
+    replay_order: str = "known"
     lambda_order: float | None = None  # None: 1e-2 for unknown-order jobs (objectives.order_term); 0 otherwise
     replay: bool = True  # update captures: replay the client's local steps; False: Δ/(lr·K) as one gradient (baseline)
 
@@ -45,8 +45,8 @@ class AttackConfig:
             raise AttackConfigError(f"attack {self.name}: masks must be one of {tuple(MASK_MODES)}, got {self.masks!r}")
         if self.distance not in DISTANCES:
             raise AttackConfigError(f"attack {self.name}: distance must be one of {tuple(DISTANCES)}, got {self.distance!r}")
-        if self.batch_order not in BATCH_ORDERS:
-            raise AttackConfigError(f"attack {self.name}: batch_order must be one of {BATCH_ORDERS}, got {self.batch_order!r}")
+        if self.replay_order not in REPLAY_ORDERS:
+            raise AttackConfigError(f"attack {self.name}: replay_order must be one of {REPLAY_ORDERS}, got {self.replay_order!r}")
         if self.mask_init not in MASK_INITS:
             raise AttackConfigError(f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}")
         for key in ("max_iterations", "patience", "plateau_patience"):

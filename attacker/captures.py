@@ -29,7 +29,7 @@ def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def replay_plan(capture: Capture, batch_order: str = "known") -> LocalPlan:
+def replay_plan(capture: Capture, replay_order: str = "known") -> LocalPlan:
     """The client's local round as the server sent it (the capture's hyperparameters), read with the
     same function the client used (``fedsim.task.local_plan``), batches in order. With a known batch
     order (the default) a round shuffled across several epochs is refused; with "unknown" it is
@@ -48,10 +48,10 @@ def replay_plan(capture: Capture, batch_order: str = "known") -> LocalPlan:
             and plan.schedule.batch_size and plan.schedule.batch_size < capture.num_examples:
         # Within one epoch a shuffled order is only a relabelling of the dummies; across epochs the
         # replay has to tie each epoch's copy of an image without knowing where it went.
-        if batch_order == "known":
+        if replay_order == "known":
             raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs; a "
                                "known batch order cannot replay it (attack it with attack_overrides: "
-                               "{batch_order: unknown}, or --batch-order unknown)")
+                               "{replay_order: unknown}, or --replay-order unknown)")
         if capture.step_labels is None:
             raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs and "
                                "the capture lacks per-step labels, which the unknown batch order needs")
@@ -65,12 +65,12 @@ def replay_plan(capture: Capture, batch_order: str = "known") -> LocalPlan:
 
 def jobs_from_captures(
     paths: list[Path], run_dir: Path | None = None, label_policy: str = "known", skip_bad: bool = False,
-    batch_order: str = "known",
+    replay_order: str = "known",
 ) -> tuple[list[VictimJob], list[Oracle | None], list[str]]:
     """Load captures as jobs: a one-step gradient, or an update with the local round to replay.
     Captures that share the same global weights (one round) share one weights object, so their jobs
     run as one optimization. Returns the jobs, their oracles (None where the run was not audited)
-    and a note per skipped capture. ``batch_order`` is the attacks' (see ``replay_plan``). A capture
+    and a note per skipped capture. ``replay_order`` is the attacks' (see ``replay_plan``). A capture
     that cannot be read or replayed raises CaptureError, or with ``skip_bad`` (live attacks: the
     others go on) is skipped with a note."""
     jobs: list[VictimJob] = []
@@ -80,7 +80,7 @@ def jobs_from_captures(
     for path in paths:
         try:
             capture: Capture = load_capture(path)
-            plan = replay_plan(capture, batch_order) if capture.kind == "update" else None
+            plan = replay_plan(capture, replay_order) if capture.kind == "update" else None
         except CaptureError as err:
             if not skip_bad:
                 raise

@@ -30,7 +30,7 @@ from fedsim.models import ModelSpecError
 
 from fedsim.run_config import SETTINGS
 
-from .attacks import BATCH_ORDERS, PRESETS, AttackConfigError
+from .attacks import REPLAY_ORDERS, PRESETS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .live import watch
 from .story import run_story
@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an attack config")
     run.add_argument("config", nargs="?", help="YAML attack config")
     common(run)
-    run.add_argument("--batch-order", choices=BATCH_ORDERS,
+    run.add_argument("--replay-order", choices=REPLAY_ORDERS,
                      help="update captures: known (in-order batches; default) or unknown (one dummy copy per epoch)")
     demo = sub.add_parser("demo", help="the main job: federated training with dropout, capture, IG/WIIG/DIA, report")
     common(demo)
@@ -184,8 +184,8 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         data["attacks"] = args.attacks
     if args.iterations is not None:
         data["attack_overrides"] = dict(data.get("attack_overrides") or {}, max_iterations=args.iterations)
-    if getattr(args, "batch_order", None) is not None:
-        data["attack_overrides"] = dict(data.get("attack_overrides") or {}, batch_order=args.batch_order)
+    if getattr(args, "replay_order", None) is not None:
+        data["attack_overrides"] = dict(data.get("attack_overrides") or {}, replay_order=args.replay_order)
     for arg in ("labels", "device", "seed"):
         if getattr(args, arg) is not None:
             data[arg] = getattr(args, arg)

@@ -118,7 +118,7 @@ def unknown_order(job: VictimJob) -> VictimJob:
         batches.append(tuple(range(start, start + size)))
         start += size
     return replace(job, labels=job.step_labels.long().clone(), plan=replace(in_order, batches=tuple(batches)),
-                   copies=total // n, meta=dict(job.meta, batch_order="unknown"))
+                   copies=total // n, meta=dict(job.meta, replay_order="unknown"))
 
 
 def merge_copies(images: Tensor, copies: int) -> Tensor:

@@ -81,9 +81,9 @@ def load_jobs(
             paths = paths[: v.max_captures]
         # live attacks (``only``) report a bad capture and attack the others; a whole run refuses it
         # a capture shuffled across epochs is refused unless every attack takes the batch order as unknown
-        order = "unknown" if all(a.batch_order == "unknown" for a in cfg.attack_configs()) else "known"
+        order = "unknown" if all(a.replay_order == "unknown" for a in cfg.attack_configs()) else "known"
         jobs, oracles, skipped = jobs_from_captures(paths, Path(v.captures), cfg.labels,  # type: ignore[arg-type]
-                                                    skip_bad=only is not None, batch_order=order)
+                                                    skip_bad=only is not None, replay_order=order)
         for note in skipped:
             log(f"skipped {note}")
         if not jobs:
@@ -159,7 +159,7 @@ def run_attack(
             if attack.receives_oracle and oracle is None:
                 continue  # WIIG needs the client's true masks: only audited runs have them
             scoring_jobs.append(job)
-            if job.plan is not None and attack.batch_order == "unknown":
+            if job.plan is not None and attack.replay_order == "unknown":
                 try:
                     job = unknown_order(job)
                 except BatchOrderError as err:

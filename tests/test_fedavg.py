@@ -216,7 +216,7 @@ def test_unknown_order_replay_with_the_oracle_reproduces_a_shuffled_update(tmp_p
     from fedsim.capture import find_oracle, load_capture
 
     run = _shuffled_two_epoch_round(tmp_path)
-    jobs, _, _ = jobs_from_captures(list_captures(run), run, batch_order="unknown")
+    jobs, _, _ = jobs_from_captures(list_captures(run), run, replay_order="unknown")
     assert len(jobs) == 2
     for path, job in zip(list_captures(run), jobs):
         record = find_oracle(run, load_capture(path))
@@ -247,9 +247,9 @@ def test_shuffled_epochs_need_the_unknown_order_and_its_step_labels(tmp_path: Pa
     assert attacker_main(["run", "--captures", str(run), "--iterations", "2", "--no-lpips", "--quiet",
                           "--out", str(tmp_path / "known")]) == 2
     text = capsys.readouterr().out.strip()
-    assert "shuffled across 2 epochs" in text and "batch_order: unknown" in text and text.startswith("error:")
+    assert "shuffled across 2 epochs" in text and "replay_order: unknown" in text and text.startswith("error:")
     out = tmp_path / "unknown"
-    code = attacker_main(["run", "--captures", str(run), "--attacks", "wiig", "dia", "--batch-order", "unknown",
+    code = attacker_main(["run", "--captures", str(run), "--attacks", "wiig", "dia", "--replay-order", "unknown",
                           "--iterations", "3", "--no-lpips", "--quiet", "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
@@ -271,7 +271,7 @@ def test_shuffled_epochs_need_the_unknown_order_and_its_step_labels(tmp_path: Pa
         meta["tensors_sha256"] = hashlib.sha256(blob).hexdigest()
         (record / "record.json").write_text(json.dumps(meta))
     with pytest.raises(CaptureError, match="lacks per-step labels"):
-        jobs_from_captures(list_captures(run), run, batch_order="unknown")
+        jobs_from_captures(list_captures(run), run, replay_order="unknown")
 
 
 def test_unknown_order_attack_on_offline_victims_runs_and_is_scored(
@@ -285,7 +285,7 @@ def test_unknown_order_attack_on_offline_victims_runs_and_is_scored(
     jobs, oracles = jobs_from_images(spec, [(x, y)], plan=plan)
     assert jobs[0].steps != [[0, 1], [2, 3]] * 2  # the client's order was shuffled
     copies = [unknown_order(j) for j in jobs]
-    attack = make_attack("dia", max_iterations=4, batch_order="unknown")
+    attack = make_attack("dia", max_iterations=4, replay_order="unknown")
     results = run_jobs(copies, [attack], None, tmp_path / "run", progress=False)
     assert results[0].images.shape == (4, 1, 28, 28) and len(results[0].losses) == 4
     rows = score_results(jobs, oracles, results, None)
