@@ -88,6 +88,8 @@ def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], pa
     rows = [r for r in rows if r["experiment"] == exp.name and (fig.get("attack") in (None, r["attack"]))]
     if metric == "mmd":
         rows = [r for r in rows if r["attack"] in ("dia", "dia_april")]
+    # a panel is drawn only where there is something to show: ours measured, or the paper's value
+    rows = [r for r in rows if r.get(f"{metric}_mean") is not None or (paper_key and r.get(paper_key) is not None)]
     panel_keys = list(fig.get("panel") or [])
     panels = sorted({tuple(r[k] for k in panel_keys) for r in rows})
     if not rows or not panels:
