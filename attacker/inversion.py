@@ -326,17 +326,7 @@ class InversionModule(L.LightningModule):
                 self.status[j] = "max_iterations"
             if self.status[j] != "running":
                 continue
-            image = self.images[j]
-            if attack.signed_gradients and image.grad is not None:
-                image.grad.sign_()  # the data gradient only; mask gradients stay as they are
-            self.job_optimizers[j].step()
-            self.job_schedulers[j].step(value)
-            with torch.no_grad():
-                if attack.boxed:
-                    image.copy_(torch.maximum(torch.minimum(image, self.box_high), self.box_low))
-                for kind, k in self.mask_slots[j]:
-                    if kind == "learn":
-                        self.learned[k].clamp_(0.0, 1.0)
+            self.step_job(j, value)
         self.iteration += 1
         running = self.active()
         self.log("active_jobs", float(len(running)), prog_bar=True, on_step=True, batch_size=1)
@@ -344,6 +334,21 @@ class InversionModule(L.LightningModule):
         if not running:
             self.trainer.should_stop = True
         return None
+
+    def step_job(self, j: int, loss: float) -> None:
+        """One optimizer step of job j after the backward pass: signed data gradient, Adam, the
+        plateau scheduler on ``loss``, then the box on the images and [0, 1] on learned masks."""
+        attack, image = self.attacks[j], self.images[j]
+        if attack.signed_gradients and image.grad is not None:
+            image.grad.sign_()  # the data gradient only; mask gradients stay as they are
+        self.job_optimizers[j].step()
+        self.job_schedulers[j].step(loss)
+        with torch.no_grad():
+            if attack.boxed:
+                image.copy_(torch.maximum(torch.minimum(image, self.box_high), self.box_low))
+            for kind, k in self.mask_slots[j]:
+                if kind == "learn":
+                    self.learned[k].clamp_(0.0, 1.0)
 
     # -- checkpoints: the per-job state Lightning does not know about ------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -89,17 +89,7 @@ def engine_step(module: InversionModule) -> list[float]:
     losses.sum().backward()
     values = losses.detach().cpu().tolist()
     for j, value in zip(active, values):
-        attack, image = module.attacks[j], module.images[j]
-        if attack.signed_gradients:
-            image.grad.sign_()
-        module.job_optimizers[j].step()
-        module.job_schedulers[j].step(value)
-        with torch.no_grad():
-            if attack.boxed:
-                image.copy_(torch.maximum(torch.minimum(image, module.box_high), module.box_low))
-            for kind, k in module.mask_slots[j]:
-                if kind == "learn":
-                    module.learned[k].clamp_(0.0, 1.0)
+        module.step_job(j, value)
     return values
 
 
