@@ -112,7 +112,12 @@ def jobs_from_captures(
                 "defense": defense.name, "adaptation": defense.adaptation}
         count = capture.label_count
         if label_policy == "known" and capture.labels is not None:
-            job = VictimJob(job_id, capture.spec, weights, shared, capture.labels.long(), "known", meta, plan,
+            labels = capture.labels.long()
+            if plan is not None and capture.step_labels is not None and capture.step_labels.numel() >= count:
+                # The replay runs its steps in order over the dummies, so dummy i takes the label of the
+                # image the client used i-th (its first epoch); for in-order batches that is the same.
+                labels = capture.step_labels[:count].long()
+            job = VictimJob(job_id, capture.spec, weights, shared, labels, "known", meta, plan,
                             match_support=defense.name == "prune", step_labels=capture.step_labels)
         else:
             job = VictimJob(job_id, capture.spec, weights, shared, torch.zeros(count, dtype=torch.long), "recovered",

@@ -47,7 +47,7 @@ ATTACKS = {
 # one-step iteration, so the demo runs 4 clients and 1,000 iterations.
 UPDATE_FEDERATION: dict[str, Any] = dict(
     FEDERATION, **{"num-clients": 4, "capture-kind": "update", "capture-images": 4, "batch-size": 1,
-                   "optimizer": "sgd", "lr": 0.01, "batch-order": "in-order"})
+                   "optimizer": "sgd", "lr": 0.01})  # shuffled batches: in-order ones see a class-sorted partition
 UPDATE_ATTACKS = {"attacks": ["ig_eval", "wiig", "dia", "dia_onestep"], "attack_overrides": {"max_iterations": 1000}}
 
 

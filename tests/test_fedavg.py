@@ -302,3 +302,23 @@ def test_the_order_prior_is_zero_for_permuted_copies() -> None:
     values = copies_prior(torch.cat([tied, other]), 2, 2)
     assert values[0].abs() < 1e-12 and values[1] > 1e-3
     assert copies_prior(copy, 1, 1).abs().max() == 0  # one copy (a known order): nothing to tie
+
+
+def test_a_shuffled_single_epoch_is_replayed_in_step_order(tmp_path: Path) -> None:
+    """One epoch in a shuffled order is only a relabelling of the dummies: dummy i takes the label of
+    the image the client used i-th, and the replay with those images and the true masks gives Δ back."""
+    from fedsim.capture import find_oracle, load_capture
+
+    run = _captured_round(tmp_path, lr=0.05, optimizer="sgd", **{"batch-order": "shuffled"})
+    jobs, oracles, _ = jobs_from_captures(list_captures(run), run)
+    for path, job, oracle in zip(list_captures(run), jobs, oracles):
+        record = find_oracle(run, load_capture(path))
+        order = [i for batch in record.batches for i in batch]
+        assert sorted(order) == [0, 1, 2, 3] and torch.equal(job.labels, record.labels[order])
+        model = model_from_job(job)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        masks = [[m.float() for m in oracle.masks[t * 3:(t + 1) * 3]] for t in range(4)]
+        terms = replay_terms(model, dict(model.named_parameters()), job.plan, [oracle.images[order]], [job.labels],
+                             [masks], [job.gradient])
+        torch.testing.assert_close(terms.dot.sum(), terms.target_norm2.sum(), rtol=1e-5, atol=0)
