@@ -128,7 +128,12 @@ def jobs_from_captures(
         if run_dir is not None and (Path(run_dir) / "oracle").is_dir():
             try:
                 record = find_oracle(run_dir, capture)
-                oracle = Oracle(record.images.float(), tuple(m.float() for m in record.masks))
+                images = record.images.float()
+                if plan is not None and record.batches:
+                    # the replay's dummy i is the image the client used i-th: the truth in that order
+                    used = [i for batch in record.batches for i in batch][: images.shape[0]]
+                    images = images[torch.tensor(used)]
+                oracle = Oracle(images, tuple(m.float() for m in record.masks))
             except CaptureError as err:
                 log.warning("no oracle for %s: %s", job_id, err)
         jobs.append(job)

@@ -319,6 +319,7 @@ def test_a_shuffled_single_epoch_is_replayed_in_step_order(tmp_path: Path) -> No
         for p in model.parameters():
             p.requires_grad_(False)
         masks = [[m.float() for m in oracle.masks[t * 3:(t + 1) * 3]] for t in range(4)]
-        terms = replay_terms(model, dict(model.named_parameters()), job.plan, [oracle.images[order]], [job.labels],
+        assert torch.equal(oracle.images, record.images[order].float())  # the truth in the replay's order
+        terms = replay_terms(model, dict(model.named_parameters()), job.plan, [oracle.images], [job.labels],
                              [masks], [job.gradient])
         torch.testing.assert_close(terms.dot.sum(), terms.target_norm2.sum(), rtol=1e-5, atol=0)
