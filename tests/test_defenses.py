@@ -14,46 +14,30 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fedsim import defenses, task  # noqa: E402
 from fedsim.client_app import app, handle_train  # noqa: E402
-from fedsim.data import DataUnavailableError  # noqa: E402
 from fedsim.run_config import RunConfigError, resolve_config  # noqa: E402
 from fedsim.strategy import CuriousFedAvg  # noqa: E402
+from flower_harness import NODE_IDS, offline_config, FakeGrid, context_for, set_task_identity  # noqa: E402
 
-NODE_IDS = [1111, 2222]
 
-
-class FakeGrid:
-    def get_node_ids(self) -> list[int]:
-        return list(NODE_IDS)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def task_identity() -> None:
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    set_task_identity()
 
 
 @pytest.fixture(scope="module")
 def base() -> dict[str, Any]:
-    config = resolve_config({"num-clients": 2, "download": False, "local-steps": 2, "batch-size": 8,
-                             "capture-images": 8, "model-options": '{"width": 64}', "optimizer": "sgd", "lr": 0.1,
-                             "clip-norm": 0.05, "prune-fraction": 0.2})
-    try:
-        task.load_split(config, train=True)
-    except DataUnavailableError as exc:
-        pytest.skip(f"no offline MNIST sample: {exc}")
-    return config
+    return offline_config({"local-steps": 2, "batch-size": 8, "capture-images": 8, "model-options": '{"width": 64}',
+                           "optimizer": "sgd", "lr": 0.1, "clip-norm": 0.05, "prune-fraction": 0.2})
 
 
-def _context(msg: Message) -> Context:
-    partition = NODE_IDS.index(msg.metadata.dst_node_id)
-    return Context(run_id=1, node_id=msg.metadata.dst_node_id, node_config={"partition-id": partition,
-                   "num-partitions": 2}, state=RecordDict(), run_config={})
+_context = context_for
 
 
 def _update(global_state: dict[str, torch.Tensor], local_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -27,41 +27,25 @@ from fedsim import task  # noqa: E402
 from fedsim.capture import list_captures  # noqa: E402
 from fedsim.client_app import handle_train  # noqa: E402
 from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan, run_local_round  # noqa: E402
-from fedsim.data import DataUnavailableError  # noqa: E402
 from fedsim.models import ModelSpec  # noqa: E402
-from fedsim.run_config import resolve_config  # noqa: E402
 from fedsim.strategy import CuriousFedAvg  # noqa: E402
-from flwr.app import Context, RecordDict  # noqa: E402
-
-NODE_IDS = [1111, 2222]
+from flower_harness import NODE_IDS, offline_config, FakeGrid, client_context, set_task_identity  # noqa: E402
 
 
-class FakeGrid:
-    def get_node_ids(self) -> list[int]:
-        return list(NODE_IDS)
 
 
-def _context(partition_id: int, node_id: int) -> Context:
-    return Context(run_id=1, node_id=node_id, node_config={"partition-id": partition_id, "num-partitions": 2},
-                   state=RecordDict(), run_config={})
+_context = client_context
 
 
 @pytest.fixture(scope="module", autouse=True)
 def task_identity() -> None:
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    set_task_identity()
 
 
 def _captured_round(tmp_path: Path, **overrides: Any) -> Path:
     """One update-capture round of two in-process clients, audited, written as a run folder."""
-    cfg = resolve_config({"num-clients": 2, "download": False, "audit": True, "model-options": '{"width": 64}',
-                          "capture-kind": "update", "capture-images": 4, "batch-size": 1, "batch-order": "in-order",
-                          **overrides})
-    try:
-        task.load_split(cfg, train=True)
-    except DataUnavailableError as exc:
-        pytest.skip(f"no offline MNIST sample: {exc}")
+    cfg = offline_config({"audit": True, "model-options": '{"width": 64}', "capture-kind": "update",
+                          "capture-images": 4, "batch-size": 1, "batch-order": "in-order", **overrides})
     strategy = CuriousFedAvg(task.model_spec(cfg), capture_rounds="all", capture_kind="update",
                              capture_dir=tmp_path / "captures", oracle_dir=tmp_path / "oracle",
                              min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0)

@@ -15,24 +15,17 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
 
 from fedsim import task  # noqa: E402
 from fedsim.capture import find_oracle, list_captures, list_oracles, load_capture  # noqa: E402
 from fedsim.client_app import handle_evaluate, handle_train  # noqa: E402
-from fedsim.data import DataUnavailableError  # noqa: E402
 from fedsim.models import set_dropout_mode, set_masks  # noqa: E402
 from fedsim.run_config import resolve_config  # noqa: E402
 from fedsim.strategy import CuriousFedAvg  # noqa: E402
+from flower_harness import NODE_IDS, offline_config, FakeGrid, client_context, set_task_identity  # noqa: E402
 
-NODE_IDS = [1111, 2222]
 
-
-class FakeGrid:
-    """Just enough of a Grid for FedAvg's node sampling."""
-
-    def get_node_ids(self) -> list[int]:
-        return list(NODE_IDS)
 
 
 class InProcessGrid(FakeGrid):
@@ -46,26 +39,15 @@ class InProcessGrid(FakeGrid):
 
 @pytest.fixture(scope="module", autouse=True)
 def task_identity() -> None:
-    """Messages built outside a running Flower app need a task identity (a run sets its own)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    set_task_identity()
 
 
 @pytest.fixture(scope="module")
 def cfg() -> dict[str, Any]:
-    config = resolve_config({"num-clients": 2, "download": False, "local-steps": 2, "victim-batch-size": 2,
-                             "audit": True, "model-options": '{"width": 64}'})
-    try:
-        task.load_split(config, train=True)
-    except DataUnavailableError as exc:
-        pytest.skip(f"no offline MNIST sample: {exc}")
-    return config
+    return offline_config({"local-steps": 2, "victim-batch-size": 2, "audit": True, "model-options": '{"width": 64}'})
 
 
-def _context(partition_id: int, node_id: int) -> Context:
-    return Context(run_id=1, node_id=node_id, node_config={"partition-id": partition_id, "num-partitions": 2},
-                   state=RecordDict(), run_config={})
+_context = client_context
 
 
 def _strategy(cfg: dict[str, Any], **kwargs: Any) -> CuriousFedAvg:

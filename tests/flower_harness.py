@@ -1,0 +1,50 @@
+"""A federation of two clients driven in this process, without Ray: the node ids, a Grid that only
+samples them, and the Context a ClientApp handler receives. Shared by the tests that drive the
+strategy and the client handlers by hand."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, RecordDict
+
+NODE_IDS = [1111, 2222]
+
+
+class FakeGrid:
+    """Just enough of a Grid for FedAvg's node sampling."""
+
+    def get_node_ids(self) -> list[int]:
+        return list(NODE_IDS)
+
+
+def client_context(partition_id: int, node_id: int) -> Context:
+    return Context(run_id=1, node_id=node_id, node_config={"partition-id": partition_id, "num-partitions": 2},
+                   state=RecordDict(), run_config={})
+
+
+def context_for(msg: Message) -> Context:
+    """The Context of the node a message is addressed to."""
+    node = msg.metadata.dst_node_id
+    return client_context(NODE_IDS.index(node), node)
+
+
+def set_task_identity() -> None:
+    """Messages built outside a running Flower app need a task identity (a run sets its own)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+
+
+def offline_config(overrides: dict) -> dict:
+    """A resolved run config of two clients on the offline sample; the test is skipped without it."""
+    import pytest
+
+    from fedsim import task
+    from fedsim.data import DataUnavailableError
+    from fedsim.run_config import resolve_config
+
+    config = resolve_config({"num-clients": 2, "download": False, **overrides})
+    try:
+        task.load_split(config, train=True)
+    except DataUnavailableError as exc:
+        pytest.skip(f"no offline MNIST sample: {exc}")
+    return config
