@@ -24,7 +24,7 @@ from fedsim.data import denormalize, get_spec  # noqa: E402
 from .inversion import JobResult  # noqa: E402
 from .jobs import Oracle, VictimJob  # noqa: E402
 
-SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "mmd", "trd", "iterations")
+SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "rdlv", "mmd", "trd", "iterations")
 
 
 def figure_png(fig, *, trim: bool = True) -> bytes:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
+
+import torch
 
 from fedsim.data import get_spec
 
@@ -20,6 +23,7 @@ def score_results(
     lpips: LpipsScorer | None = None,
 ) -> list[dict[str, Any]]:
     """One row per job: what was attacked, how the optimization ended, and every metric."""
+    priors = prior_images(oracles)
     rows = []
     for job, oracle, res in zip(jobs, oracles, results):
         row: dict[str, Any] = {
@@ -45,6 +49,7 @@ def score_results(
                 entry = scored["metrics"].get(key)
                 row[key] = entry["mean"] if entry else None
             row["matched"] = scored["matched"]
+            row["rdlv"] = rdlv(row["ssim_paper"], oracle.images, priors.get(_key(oracle.images)), spec.mean, spec.std)
             if scored.get("unmatched_metrics"):
                 row["ssim_paper_unmatched"] = scored["unmatched_metrics"]["ssim_paper"]["mean"]
                 row["ssim_std_unmatched"] = scored["unmatched_metrics"]["ssim_std"]["mean"]
@@ -52,3 +57,36 @@ def score_results(
                 row.update(mask_metrics(res.masks, list(oracle.masks), job.p))
         rows.append(row)
     return rows
+
+
+# -- Relative Data Leakage Value (NVFlare's leakage study, Hatamizadeh et al., IEEE TMI 2023) ---------
+# RDLV = (SSIM(reconstruction, original) - SSIM(prior, original)) / SSIM(prior, original): how much
+# the attack gained over what the attacker knew without the update. Our prior is the mean of the run's
+# OTHER victims' images (leave-one-job-out): a typical image of the population, never the victim itself,
+# and no data beyond what the run already holds. Scored in paper space like the headline SSIM.
+
+
+def _key(images: torch.Tensor) -> str:
+    return hashlib.sha1(images.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def prior_images(oracles: list[Oracle | None]) -> dict[str, torch.Tensor]:
+    """Per victim batch (keyed by its content: several attacks share one), the mean image of every
+    other batch's victims; empty with fewer than two distinct batches."""
+    known = {_key(o.images): o.images for o in oracles if o is not None}
+    if len(known) < 2:
+        return {}
+    total = sum(images.double().sum(0) for images in known.values())
+    count = sum(images.shape[0] for images in known.values())
+    return {key: ((total - images.double().sum(0)) / (count - images.shape[0])).to(images.dtype)
+            for key, images in known.items()}
+
+
+def rdlv(ssim_recon: float | None, originals: torch.Tensor, prior: torch.Tensor | None,
+         mean: Any, std: Any) -> float | None:
+    """The RDLV of one job (None without a prior, or when the prior's SSIM is not positive)."""
+    if ssim_recon is None or prior is None:
+        return None
+    scored = score_batch(originals, prior.expand_as(originals).contiguous(), mean, std, match=False)
+    base = scored["metrics"]["ssim_paper"]["mean"]
+    return (ssim_recon - base) / base if base > 0 else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+import math
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,11 @@ class Defense:
     adaptation: str
     # Flower clips the whole ArrayRecord (every state-dict entry): the model must have only floating ones.
     needs_float_state: bool = False
+    # The Gaussian noise of one round as a multiple of the sensitivity (clip-norm), for the privacy
+    # accountant; None: the defense adds no noise and gives no (epsilon, delta) guarantee.
+    noise_multiplier: Callable[[Mapping[str, Any]], float] | None = None
+    # Whose guarantee the accountant states: "client" (local: each client's own updates) or "federation".
+    accounted: str = ""
 
 
 def _no_mods(cfg: Mapping[str, Any]) -> list[Any]:
@@ -86,6 +92,15 @@ def _wrap_server_clipping(strategy: Any, cfg: Mapping[str, Any], num_sampled: in
                                                       float(cfg["clip-norm"]), num_sampled)
 
 
+def _local_dp_multiplier(cfg: Mapping[str, Any]) -> float:
+    # LocalDpMod's Gaussian mechanism: std = sensitivity * sqrt(2 ln(1.25 / delta)) / epsilon per round.
+    return math.sqrt(2 * math.log(1.25 / float(cfg["dp-delta"]))) / float(cfg["dp-epsilon"])
+
+
+def _central_multiplier(cfg: Mapping[str, Any]) -> float:
+    return float(cfg["noise-multiplier"])
+
+
 _CENTRAL_CAPTURE = ("the client's clipped update, without noise: central DP adds its noise to the aggregate, "
                     "after the server has seen each update")
 
@@ -95,16 +110,17 @@ DEFENSES: dict[str, Defense] = {
         Defense("none", "no defense", _no_mods, None, "the client's update as sent", "none"),
         Defense("local-dp", "Flower's LocalDpMod on the client: clip to clip-norm, add Gaussian noise for "
                 "(dp-epsilon, dp-delta)", _local_dp_mods, None, "the client's clipped and noised update",
-                "none: the noised update is attacked as is", needs_float_state=True),
+                "none: the noised update is attacked as is", needs_float_state=True,
+                noise_multiplier=_local_dp_multiplier, accounted="client"),
         Defense("central-dp-client-clipping", "Flower's fixedclipping_mod on the client and "
                 "DifferentialPrivacyClientSideFixedClipping around the strategy (noise-multiplier, clip-norm)",
                 _fixed_clipping_mods, _wrap_client_clipping, _CENTRAL_CAPTURE,
                 "none needed: clipping scales the update, which the cosine distance ignores",
-                needs_float_state=True),
+                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation"),
         Defense("central-dp-server-clipping", "DifferentialPrivacyServerSideFixedClipping around the strategy "
                 "(noise-multiplier, clip-norm)", _no_mods, _wrap_server_clipping, _CENTRAL_CAPTURE,
                 "none needed: clipping scales the update, which the cosine distance ignores",
-                needs_float_state=True),
+                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation"),
         Defense("prune", "keep the prune-fraction largest entries (by magnitude) of each tensor of the update",
                 _prune_mods, None, "the client's pruned update",
                 "only the surviving (nonzero) entries are matched: the dummy's gradient or replayed update is "
@@ -146,6 +162,40 @@ def check_run(cfg: Mapping[str, Any], state_dtypes: Mapping[str, Any] | None) ->
             return (f"defense {defense.name} cannot run with model {cfg['model']}: Flower's DP clipping scales every "
                     f"entry of the update, and {ints[0]} is not floating point")
     return None
+
+
+def privacy_spent(cfg: Mapping[str, Any], rounds: int, sampled: int, population: int) -> dict[str, Any] | None:
+    """The (epsilon, delta) the run's defense spent over ``rounds`` rounds, by Flower's RdpAccountant
+    (``flwr.supercore.privacy_accounting``, backed by Google's dp-accounting). None for a defense
+    without noise. No sampling amplification is claimed: the clients of a round are not Poisson-sampled.
+
+    Flower's DP strategy wrappers would account by themselves, but only around a strategy that keeps
+    FedAvg's aggregate_train, which the curious strategy overrides; so the rounds are composed here."""
+    defense = get_defense(str(cfg["defense"]))
+    if defense.noise_multiplier is None or rounds <= 0:
+        return None
+    delta = float(cfg["dp-delta"])
+    z = defense.noise_multiplier(cfg)
+    out: dict[str, Any] = {"defense": defense.name, "noise_multiplier": z, "rounds": rounds, "delta": delta,
+                           "guarantee": defense.accounted, "accountant": "flwr RdpAccountant (no amplification)"}
+    if defense.name == "local-dp":
+        out["per_round"] = {"epsilon": float(cfg["dp-epsilon"]), "delta": delta}
+    try:
+        from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
+                                                       SamplingMethod)
+        from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+        n = 1 if defense.accounted == "client" else max(population, sampled)
+        k = 1 if defense.accounted == "client" else sampled
+        accountant = RdpAccountant(PrivacyConfig(target_delta=delta, population_size=n,
+                                                 neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                                 sampling_method=SamplingMethod.NO_AMPLIFICATION))
+        accountant.compose(GaussianPrivacyEvent(z, k, n), count=rounds)
+        out["epsilon"] = float(accountant.get_epsilon(delta))
+    except ImportError as err:  # the dp-accounting package is missing: say so, keep the run
+        out["epsilon"] = None
+        out["why"] = f"no accountant: {err}"
+    return out
 
 
 # -- pruning: no Flower mod exists for it, so it is written once, here, as a client mod -------------

@@ -114,6 +114,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         "stopped_early": strategy.stopped,
         "num_captures": len(strategy.capture_paths),
         "failures": strategy.failures,
+        "privacy": defenses.privacy_spent(cfg, rows[-1]["round"] if rows else 0, sampled, n),
         "wall_s": round(time.time() - t0, 3),
     }
     atomic_write(run_dir / "results.json", json.dumps(summary, indent=1))

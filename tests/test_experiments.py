@@ -350,8 +350,9 @@ cells:
 
 
 def test_a_cell_with_its_own_federation_attacks_its_captured_round(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """A real 2-round Flower simulation under the cell's defense: round 2 is captured and attacked, and the
-    report's accuracy is that federation's (no separate accuracy federation)."""
+    """A real Flower simulation under the cell's defense: 2 training rounds, then round 3, audited: it is
+    captured and attacked, and the report's accuracy is the federation's after its 2 training rounds
+    (no separate accuracy federation)."""
     config = tmp_path / "defended.yaml"
     config.write_text(DEFENDED)
     out = tmp_path / "out"
@@ -360,13 +361,16 @@ def test_a_cell_with_its_own_federation_attacks_its_captured_round(tmp_path: Pat
     assert main(args) == 0, capsys.readouterr().out
     fed = out / "federations" / "defended-a"
     results = json.loads((fed / "results.json").read_text())
-    assert results["rounds_run"] == 2 and results["num_captures"] == 2
+    assert results["rounds_run"] == 3 and results["num_captures"] == 2
     config_used = json.loads((fed / "config.json").read_text())
-    assert config_used["defense"] == "prune" and config_used["capture-rounds"] == "2"
+    assert config_used["defense"] == "prune" and config_used["capture-rounds"] == "3"
     rows = json.loads((out / "cells" / "defended-a" / "metrics.json").read_text())
-    assert {r["job"] for r in rows} == {"r0002_c000", "r0002_c001"} and {r["defense"] for r in rows} == {"prune"}
+    assert {r["job"] for r in rows} == {"r0003_c000", "r0003_c001"} and {r["defense"] for r in rows} == {"prune"}
+    assert all(r["rdlv"] is not None for r in rows)  # two victims: each one's prior is the other
     assert not (out / "accuracy").exists()
-    assert "(2 rounds)" in (out / "results.md").read_text()
+    report = (out / "results.md").read_text()
+    acc = 100 * results["rounds"][2]["accuracy"]  # after training round 2, not the audited round 3
+    assert f"{acc:.2f} / " in report and "(2 rounds)" in report and "| prune | keep 0.5 | – |" in report
 
 
 @pytest.mark.parametrize(("federation", "words"), [("{model: lenet}", "federation must not set model"),

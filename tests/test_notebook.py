@@ -40,3 +40,25 @@ def test_walkthrough_notebook_executes(tmp_path: Path) -> None:
     assert ssim["wiig"] > ssim["ig_eval"] and ssim["dia"] > ssim["ig_eval"]  # the notebook's point, even at 300 iterations
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # the reconstruction grid and the loss curves
+
+
+def test_privacy_utility_notebook_executes_on_a_tiny_frontier(tmp_path: Path) -> None:
+    """Four tiny defended federations (none, local DP, central DP, pruning), attacked and tabulated,
+    with ε from Flower's accountant and the frontier figure."""
+    _kernel_or_skip()
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "notebooks" / "privacy_utility.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    client.execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "4 cells run" in text and "frontier figure: True" in text
+    rows = {(line.split()[0], line.split()[1]): line for line in text.splitlines() if " accuracy " in line and " epsilon " in line}
+    assert {d for d, _ in rows} == {"none", "local-dp", "central-dp-server-clipping", "prune"}
+    epsilon = {d: line.split("epsilon")[-1].strip() for (d, _), line in rows.items()}
+    assert epsilon["none"] == "–" and epsilon["prune"] == "–"  # no noise, no guarantee
+    assert float(epsilon["local-dp"]) > 0 and float(epsilon["central-dp-server-clipping"]) > 0
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the frontier

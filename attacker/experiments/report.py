@@ -12,6 +12,7 @@ from typing import Any
 from fedsim.atomic import atomic_write
 
 from ..report import SUMMARY_KEYS, csv_text, figure_png, fmt_mean_std
+from .frontier import defense_fields, epsilon_text, frontier_figure, level_text
 from .layout import accuracy_dir, cell_dir, run_state
 from .spec import Cell, Experiment, Settings
 
@@ -33,6 +34,12 @@ def _accuracy(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | Non
     res = _load_json(run_dir / "results.json")
     if res is None:
         return None
+    if cell.federation:  # the model after the training rounds; the last, audited round is not training
+        trained = [r for r in res.get("rounds", []) if 0 < int(r["round"]) <= settings.fl_rounds]
+        if not trained:
+            return None
+        return {"final": 100 * float(trained[-1]["accuracy"]), "best": 100 * max(float(r["accuracy"]) for r in trained),
+                "rounds": len(trained)}
     return {"final": 100 * float(res["final_accuracy"]), "best": 100 * float(res["best_accuracy"]),
             "rounds": int(res.get("rounds_run", settings.fl_rounds))}
 
@@ -51,6 +58,7 @@ def collect_rows(experiments: list[Experiment], selected: list[tuple[Experiment,
             summary = {e["attack"]: e for e in (_load_json(run_dir / "summary.json") or [])} if state == "finished" else {}
             metrics = _load_json(run_dir / "metrics.json") or [] if state == "finished" else []
             acc = _accuracy(out, cell, settings) if exp.accuracy is not None and "accuracy" in cell.paper else None
+            defense = defense_fields(out, cell)
             for attack in cell.attacks:
                 e = summary.get(attack, {})
                 row: dict[str, Any] = {
@@ -60,7 +68,7 @@ def collect_rows(experiments: list[Experiment], selected: list[tuple[Experiment,
                     "lambda_mask": cell.overrides.get("lambda_mask", exp.attack_overrides.get("lambda_mask")),
                     "mask_init": cell.overrides.get("mask_init", exp.attack_overrides.get("mask_init")),
                     "overrides": json.dumps({**exp.attack_overrides, **cell.overrides}, sort_keys=True),
-                    "status": state, "victims": e.get("victims"),
+                    "status": state, "victims": e.get("victims"), **defense,
                 }
                 for key in SUMMARY_METRICS:
                     row[f"{key}_mean"] = e.get(f"{key}_mean")
@@ -157,7 +165,12 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
             head.append("mask init")
         if any(r.get("K") is not None for r in erows):
             head += ["local round", "K"]
+        defended = any(r.get("defense") for r in erows)
+        if defended:
+            head += ["defense", "level", "ε (δ), all rounds"]
         head += ["attack", "victims", "SSIM paper-space (ours)", "SSIM paper", "SSIM [0,1] (ours)"]
+        if defended:
+            head.append("RDLV (ours)")
         if has_mmd:
             head += ["MMD (ours)", "MMD paper"]
         if has_acc:
@@ -173,9 +186,13 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
                 cells.append(r["mask_init"] or "–")
             if "K" in head:
                 cells += [r.get("local_round") or "one step", str(r.get("K") or 1)]
+            if defended:
+                cells += [r.get("defense") or "–", level_text(r), epsilon_text(r)]
             victims = "–" if not r["victims"] else (f"{r['victims']}×{r['B']}" if r["B"] > 1 else str(r["victims"]))
             cells += [r["attack"], victims, fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
                       fmt_mean_std(r["paper_ssim"], digits=2), fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"])]
+            if defended:
+                cells.append(fmt_mean_std(r.get("rdlv_mean"), r.get("rdlv_std"), digits=2))
             if has_mmd:
                 cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
             if has_acc:
@@ -183,7 +200,16 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
                 cells += [acc, fmt_mean_std(r.get("paper_accuracy"), digits=2)]
             cells.append(r["status"])
             lines.append("| " + " | ".join(cells) + " |")
-        if has_acc:
+        if defended:
+            lines.append(f"\nAccuracy: the defended federation's global test accuracy after its {settings.fl_rounds} "
+                         "training rounds; the attacks run on one further, audited round under the same defense. "
+                         "ε: Flower's RdpAccountant over all rounds (no sampling amplification; local DP: each "
+                         "client's own guarantee). RDLV = (SSIM(recon) − SSIM(prior)) / SSIM(prior), the prior being "
+                         "the mean image of the run's other victims.\n")
+            path = out / "figures" / f"{exp.name}_frontier.png"
+            if frontier_figure(erows, path):
+                lines.append(f"\n![{exp.name} frontier](figures/{path.name})\n")
+        elif has_acc:
             paper_rounds = exp.accuracy.get("paper_rounds") if exp.accuracy else None
             lines.append(f"\nAccuracy: global test accuracy after {settings.fl_rounds} federated rounds "
                          f"({'run' if settings.accuracy else 'skipped: --no-accuracy'}; the paper trains to convergence, "

@@ -57,8 +57,10 @@ def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], 
     round at the model's random initialization in which each of count/B clients takes one training
     step on B images of its own partition and the curious server captures the gradients.
 
-    With ``federation`` (a cell's own run config settings, e.g. a defense): --fl-rounds rounds, the
-    last one captured, under those settings; its results.json is the cell's accuracy."""
+    With ``federation`` (a cell's own run config settings, e.g. a defense): --fl-rounds training
+    rounds under those settings, then one more round, captured: the cell's accuracy is the model's
+    after the training rounds (results.json's history), its leakage that of the audited round. The
+    audited round is kept apart so that its one-step update (onestep_lr) does not move the accuracy."""
     v = cfg.victims
     fed_dir = Path(v.captures or "")
     if (fed_dir / "results.json").is_file():
@@ -66,9 +68,10 @@ def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], 
     if fed_dir.exists():
         shutil.rmtree(fed_dir)  # an interrupted federation: its round is redone from the start
     clients = v.count // v.victim_batch_size
-    rounds = settings.fl_rounds if federation else 1
+    rounds = settings.fl_rounds + 1 if federation else 1
     if federation:
-        log(f"  federation: {rounds} Flower rounds, {clients} clients, {federation}; round {rounds} captured "
+        log(f"  federation: {rounds - 1} training rounds + 1 audited round, {clients} clients, {federation}; "
+            f"round {rounds} captured "
             f"(one step on {v.victim_batch_size} image(s) per client)")
     else:
         log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.victim_batch_size} image(s), "
