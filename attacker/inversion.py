@@ -27,6 +27,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
+from .job_adam import adam_step_all
 from .jobs import Oracle, VictimJob, merge_copies, model_from_job, support_mask
 from .masks import MaskContext, mask_mode
 from .replay import replay_terms
@@ -299,12 +300,12 @@ class InversionModule(L.LightningModule):
         if not active:
             self.trainer.should_stop = True
             return None
-        for j in active:
-            self.job_optimizers[j].zero_grad(set_to_none=True)
+        self.zero_grads(active)
         losses, _ = self.job_losses(active)
         self.manual_backward(losses.sum())
         values = losses.detach().cpu().tolist()
         it = self.iteration
+        stepping: list[tuple[int, float]] = []
         for j, value in zip(active, values):
             attack = self.attacks[j]
             if value != value or value in (float("inf"), float("-inf")):
@@ -326,7 +327,9 @@ class InversionModule(L.LightningModule):
                 self.status[j] = "max_iterations"
             if self.status[j] != "running":
                 continue
-            self.step_job(j, value)
+            stepping.append((j, value))
+        if stepping:
+            self.step_jobs([j for j, _ in stepping], [v for _, v in stepping])
         self.iteration += 1
         running = self.active()
         self.log("active_jobs", float(len(running)), prog_bar=True, on_step=True, batch_size=1)
@@ -335,20 +338,36 @@ class InversionModule(L.LightningModule):
             self.trainer.should_stop = True
         return None
 
-    def step_job(self, j: int, loss: float) -> None:
-        """One optimizer step of job j after the backward pass: signed data gradient, Adam, the
-        plateau scheduler on ``loss``, then the box on the images and [0, 1] on learned masks."""
-        attack, image = self.attacks[j], self.images[j]
-        if attack.signed_gradients and image.grad is not None:
-            image.grad.sign_()  # the data gradient only; mask gradients stay as they are
-        self.job_optimizers[j].step()
-        self.job_schedulers[j].step(loss)
+    def zero_grads(self, active: list[int]) -> None:
+        """``zero_grad(set_to_none=True)`` of the active jobs' optimizers, without a call per job."""
+        for j in active:
+            for group in self.job_optimizers[j].param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
+    def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
+        """One optimizer step of each of ``jobs`` after the backward pass: signed data gradients, Adam
+        (batched across the jobs: attacker.job_adam), each job's plateau scheduler on its loss, then the
+        box on the images and [0, 1] on learned masks."""
+        signed = [self.images[j].grad for j in jobs if self.attacks[j].signed_gradients and self.images[j].grad is not None]
+        if signed:
+            torch._foreach_sign_(signed)  # the data gradients only; mask gradients stay as they are
+        adam_step_all([self.job_optimizers[j] for j in jobs])
+        for j, loss in zip(jobs, losses):
+            self.job_schedulers[j].step(loss)
         with torch.no_grad():
-            if attack.boxed:
-                image.copy_(torch.maximum(torch.minimum(image, self.box_high), self.box_low))
-            for kind, k in self.mask_slots[j]:
-                if kind == "learn":
-                    self.learned[k].clamp_(0.0, 1.0)
+            boxed = [self.images[j] for j in jobs if self.attacks[j].boxed]
+            if boxed:
+                torch._foreach_minimum_(boxed, [self.box_high.expand_as(x) for x in boxed])
+                torch._foreach_maximum_(boxed, [self.box_low.expand_as(x) for x in boxed])
+            masks = [self.learned[k] for j in jobs for kind, k in self.mask_slots[j] if kind == "learn"]
+            if masks:
+                torch._foreach_clamp_min_(masks, 0.0)
+                torch._foreach_clamp_max_(masks, 1.0)
+
+    def step_job(self, j: int, loss: float) -> None:
+        """:meth:`step_jobs` for one job."""
+        self.step_jobs([j], [loss])
 
     # -- checkpoints: the per-job state Lightning does not know about ------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -83,13 +83,11 @@ def engine_step(module: InversionModule) -> list[float]:
     """The per-iteration work of InversionModule.training_step without Lightning and without the
     best-iterate and stopping bookkeeping (the plain baseline leaves those out too)."""
     active = module.active()
-    for j in active:
-        module.job_optimizers[j].zero_grad(set_to_none=True)
+    module.zero_grads(active)
     losses, _ = module.job_losses(active)
     losses.sum().backward()
     values = losses.detach().cpu().tolist()
-    for j, value in zip(active, values):
-        module.step_job(j, value)
+    module.step_jobs(active, values)
     return values
 
 
