@@ -7,9 +7,13 @@ products). Every attack is "learn mode" dropout with per-job masks: IG (eval) mu
 constant 1 - p (which cancels the 1/(1-p) scaling: dropout off), IG (train) by fresh Bernoulli
 masks each iteration, WIIG by the client's true masks, DIA by optimized masks in [0, 1].
 
-Why manual optimization with one Adam and one ReduceLROnPlateau per job: torch's scheduler reduces
-the learning rate of a whole optimizer on one metric; per-job schedules need per-job optimizers,
-and Lightning's automatic optimization would step them all on one loss.
+Why manual optimization, and Adam and the plateau schedule written out: each job has its own
+learning rate, lowered on its own loss plateau, and its own stopping point; torch's optimizers and
+schedulers act on a whole optimizer and one metric, and 128 of them stepped one by one cost most of
+a V = 128 MLP iteration on CPU. So all jobs' dummies live in one parameter, each dropout layer's
+learned masks in another, and Adam (attacker.job_adam) and the plateau rule of
+torch.optim.lr_scheduler.ReduceLROnPlateau are applied row by row to those tensors: a job's result
+is still what its own Adam and scheduler would give (tests/test_job_adam.py).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
-from .job_adam import adam_step_all
+from .job_adam import _rows_view, adam_factors, adam_rows_
 from .jobs import Oracle, VictimJob, merge_copies, model_from_job, support_mask
 from .masks import MaskContext, mask_mode
 from .replay import replay_terms
@@ -116,13 +120,16 @@ class InversionModule(L.LightningModule):
             self.register_buffer(f"target_{i}", torch.stack(param_targets).float(), persistent=False)
         self.num_params = len(jobs[0].gradient)
 
-        self.images = nn.ParameterList()
-        self.learned = nn.ParameterList()  # DIA masks, job-major then layer order
-        self.mask_slots: list[list[tuple[str, int]]] = []  # per job and layer: (kind, index)
-        self.const_masks: list[Tensor] = []
+        # All jobs' dummies as ONE parameter (V, B, *input) and each dropout layer's learned masks as one
+        # parameter (a row per job that learns masks), so that gathering the active jobs, Adam, the box
+        # and the best iterate are a few whole-tensor operations per iteration, not a few per job.
+        images: list[Tensor] = []
+        learn_rows: list[list[Tensor]] = [[] for _ in self.mask_shapes]
+        const_rows: list[list[Tensor]] = [[] for _ in self.mask_shapes]
+        self.mask_slots: list[list[tuple[str, int]]] = []  # per job and layer: (kind, row in that layer's stack)
         for j, (job, attack) in enumerate(zip(jobs, attacks)):
             gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
-            self.images.append(nn.Parameter(torch.randn(self.B, *first.spec.input_shape, generator=gen)))
+            images.append(torch.randn(self.B, *first.spec.input_shape, generator=gen))
             oracle = oracles[j] if oracles else None
             if oracle is not None and not attack.receives_oracle:
                 # The threat model: IG and DIA see only what the server saw, never ground truth.
@@ -136,29 +143,33 @@ class InversionModule(L.LightningModule):
             assert mode.init is not None
             gradient = job.gradient if self.plan is None else None  # an update is no gradient (analytical init)
             init = mode.init(MaskContext(self.mask_shapes, self.p, attack.mask_init, self.model, gradient, oracle, gen))
-            slots = []
-            for m in init:
-                if mode.kind == "learn":
-                    slots.append(("learn", len(self.learned)))
-                    self.learned.append(nn.Parameter(m))
-                else:
-                    slots.append(("const", len(self.const_masks)))
-                    self.const_masks.append(m)
-            self.mask_slots.append(slots)
-        for i, m in enumerate(self.const_masks):
-            self.register_buffer(f"const_mask_{i}", m, persistent=False)
-
-        self.job_optimizers = []
-        self.job_schedulers = []
-        for j, attack in enumerate(attacks):
-            params = [self.images[j]] + [self.learned[k] for kind, k in self.mask_slots[j] if kind == "learn"]
-            opt = torch.optim.Adam(params, lr=attack.lr, betas=(0.9, 0.999))
-            self.job_optimizers.append(opt)
-            self.job_schedulers.append(
-                torch.optim.lr_scheduler.ReduceLROnPlateau(
-                    opt, mode="min", factor=attack.plateau_factor, patience=attack.plateau_patience
-                )
-            )
+            kind = "learn" if mode.kind == "learn" else "const"
+            rows = learn_rows if kind == "learn" else const_rows
+            self.mask_slots.append([(kind, len(rows[layer])) for layer in range(len(init))])
+            for layer, m in enumerate(init):
+                rows[layer].append(m)
+        self.image_stack = nn.Parameter(torch.stack(images))
+        self.mask_stacks = nn.ParameterList(
+            nn.Parameter(torch.stack(r) if r else torch.zeros(0, *shape)) for r, shape in zip(learn_rows, self.mask_shapes))
+        for i, (r, shape) in enumerate(zip(const_rows, self.mask_shapes)):
+            self.register_buffer(f"const_stack_{i}", torch.stack(r) if r else torch.zeros(0, *shape), persistent=False)
+        # per layer, the job of each learned row (rows were added in job order)
+        self.learn_jobs = [[j for j in range(self.V) if self.mask_slots[j][i][0] == "learn"]
+                           for i in range(len(self.mask_shapes))]
+        # Adam's moments (persistent: a resumed run continues them), per-job step counts, learning rates
+        # and plateau state (in the checkpoint's "inversion" entry).
+        self.register_buffer("adam_m_images", torch.zeros_like(self.image_stack))
+        self.register_buffer("adam_v_images", torch.zeros_like(self.image_stack))
+        for i, stack in enumerate(self.mask_stacks):
+            self.register_buffer(f"adam_m_mask_{i}", torch.zeros_like(stack))
+            self.register_buffer(f"adam_v_mask_{i}", torch.zeros_like(stack))
+        self.adam_steps = [0] * self.V
+        self.job_lr = [float(a.lr) for a in attacks]
+        self.plateau_best = [float("inf")] * self.V
+        self.plateau_bad = [0] * self.V
+        self.register_buffer("signed", torch.tensor([a.signed_gradients for a in attacks]), persistent=False)
+        self.register_buffer("boxed", torch.tensor([a.boxed for a in attacks]), persistent=False)
+        self._index_cache: dict[tuple[int, ...], Tensor] = {}
         # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
         # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
         self.distance_names = sorted({a.distance for a in attacks})
@@ -178,8 +189,10 @@ class InversionModule(L.LightningModule):
         self.best_iteration = [-1] * self.V
         self.since_best = [0] * self.V
         self.losses: list[list[float]] = [[] for _ in range(self.V)]
-        self.best_images: list[Tensor | None] = [None] * self.V
-        self.best_masks: list[list[Tensor] | None] = [None] * self.V
+        self.has_best = [False] * self.V
+        self.register_buffer("best_images", self.image_stack.detach().clone())
+        for i, stack in enumerate(self.mask_stacks):
+            self.register_buffer(f"best_masks_{i}", stack.detach().clone())
         self._targets_for: tuple[int, ...] | None = None
 
     # -- Lightning plumbing -------------------------------------------------------------------
@@ -206,14 +219,41 @@ class InversionModule(L.LightningModule):
     def active(self) -> list[int]:
         return [j for j in range(self.V) if self.status[j] == "running"]
 
+    @property
+    def images(self) -> list[Tensor]:
+        """Job j's dummies: row j of the stacked parameter (a view; in-place edits reach the parameter)."""
+        return list(self.image_stack.unbind(0))
+
+    def _index(self, rows: list[int]) -> Tensor:
+        key = tuple(rows)
+        index = self._index_cache.get(key)
+        if index is None or index.device != self.image_stack.device:
+            if len(self._index_cache) > 64:  # jobs stop one by one: keep only recent subsets
+                self._index_cache.clear()
+            index = self._index_cache[key] = torch.tensor(rows, device=self.image_stack.device, dtype=torch.long)
+        return index
+
+    def _rows(self, stack: Tensor, rows: list[int]) -> Tensor:
+        """The given rows of a stacked tensor, flattened into one batch (no copy when all rows, in order)."""
+        picked = stack if rows == list(range(stack.shape[0])) else stack.index_select(0, self._index(rows))
+        return picked.reshape(-1, *stack.shape[2:])
+
     def _mask(self, j: int, layer: int) -> Tensor:
         kind, k = self.mask_slots[j][layer]
         if kind == "learn":
-            return self.learned[k]
+            return self.mask_stacks[layer][k]
         if kind == "const":
-            return getattr(self, f"const_mask_{k}")
+            return getattr(self, f"const_stack_{layer}")[k]
         shape = self.mask_shapes[layer]
         return torch.bernoulli(torch.full(shape, 1.0 - self.p, device=self.box_low.device))
+
+    def _layer_masks(self, active: list[int], layer: int) -> Tensor:
+        """One dropout layer's masks of the active jobs, job after job, as one batch."""
+        kinds = {self.mask_slots[j][layer][0] for j in active}
+        if kinds == {"learn"} or kinds == {"const"}:
+            stack = self.mask_stacks[layer] if kinds == {"learn"} else getattr(self, f"const_stack_{layer}")
+            return self._rows(stack, [self.mask_slots[j][layer][1] for j in active])
+        return torch.cat([self._mask(j, layer) for j in active])  # jobs of different kinds in one group
 
     def _support(self, j: int, device: torch.device) -> list[Tensor] | None:
         support = self.supports[j]
@@ -273,17 +313,17 @@ class InversionModule(L.LightningModule):
         return terms, layers
 
     def job_losses(self, active: list[int]) -> tuple[Tensor, Tensor]:
-        x = torch.cat([self.images[j] for j in active])
+        x = self._rows(self.image_stack, active)
         layers: list[Tensor] = []
         if self.plan is not None:
             terms, layers = self._replay_terms(active)
         else:
             if self.mask_shapes:
-                layers = [torch.cat([self._mask(j, i) for j in active]) for i in range(len(self.mask_shapes))]
+                layers = [self._layer_masks(active, i) for i in range(len(self.mask_shapes))]
                 set_masks(self.model, layers)
                 set_dropout_mode(self.model, DropoutMode.LEARN)
             terms = self._masked_terms(x, active, layers) if self.masked else self._terms(x, active)
-        index = torch.tensor(active, device=x.device)
+        index = self._index(active)
         chosen = self.distance_index.index_select(0, index)
         loss = DISTANCES[self.distance_names[0]](terms)
         for d, name in enumerate(self.distance_names[1:], start=1):
@@ -306,6 +346,7 @@ class InversionModule(L.LightningModule):
         values = losses.detach().cpu().tolist()
         it = self.iteration
         stepping: list[tuple[int, float]] = []
+        improved: list[int] = []
         for j, value in zip(active, values):
             attack = self.attacks[j]
             if value != value or value in (float("inf"), float("-inf")):
@@ -314,9 +355,7 @@ class InversionModule(L.LightningModule):
             self.losses[j].append(value)
             if value < self.best_loss[j]:
                 self.best_loss[j], self.best_iteration[j], self.since_best[j] = value, it, 0
-                self.best_images[j] = self.images[j].detach().clone()
-                learned = [self.learned[k] for kind, k in self.mask_slots[j] if kind == "learn"]
-                self.best_masks[j] = [m.detach().clone() for m in learned] if learned else None
+                improved.append(j)
             else:
                 self.since_best[j] += 1
             if self.best_loss[j] < attack.loss_threshold:
@@ -328,6 +367,8 @@ class InversionModule(L.LightningModule):
             if self.status[j] != "running":
                 continue
             stepping.append((j, value))
+        if improved:
+            self.keep_best(improved)
         if stepping:
             self.step_jobs([j for j, _ in stepping], [v for _, v in stepping])
         self.iteration += 1
@@ -338,70 +379,112 @@ class InversionModule(L.LightningModule):
             self.trainer.should_stop = True
         return None
 
+    def keep_best(self, jobs: list[int]) -> None:
+        """Record the current dummies and learned masks of ``jobs`` as their best iterate."""
+        with torch.no_grad():
+            index = self._index(jobs)
+            self.best_images.index_copy_(0, index, self.image_stack.detach().index_select(0, index))
+            for i, stack in enumerate(self.mask_stacks):
+                rows = [self.mask_slots[j][i][1] for j in jobs if self.mask_slots[j][i][0] == "learn"]
+                if rows:
+                    r = self._index(rows)
+                    getattr(self, f"best_masks_{i}").index_copy_(0, r, stack.detach().index_select(0, r))
+        for j in jobs:
+            self.has_best[j] = True
+
     def zero_grads(self, active: list[int]) -> None:
-        """``zero_grad(set_to_none=True)`` of the active jobs' optimizers, without a call per job."""
-        for j in active:
-            for group in self.job_optimizers[j].param_groups:
-                for param in group["params"]:
-                    param.grad = None
+        """Drop the gradients of the last iteration (all jobs' rows at once)."""
+        self.image_stack.grad = None
+        for stack in self.mask_stacks:
+            stack.grad = None
+
+    def _plateau(self, j: int, loss: float) -> None:
+        """torch.optim.lr_scheduler.ReduceLROnPlateau.step(loss) for job j's learning rate (mode min,
+        relative threshold 1e-4, no cooldown, min_lr 0, eps 1e-8: torch's defaults)."""
+        attack = self.attacks[j]
+        if loss < self.plateau_best[j] * (1.0 - 1e-4):
+            self.plateau_best[j], self.plateau_bad[j] = loss, 0
+        else:
+            self.plateau_bad[j] += 1
+        if self.plateau_bad[j] > attack.plateau_patience:
+            lowered = max(self.job_lr[j] * attack.plateau_factor, 0.0)
+            if self.job_lr[j] - lowered > 1e-8:
+                self.job_lr[j] = lowered
+            self.plateau_bad[j] = 0
 
     def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
         """One optimizer step of each of ``jobs`` after the backward pass: signed data gradients, Adam
-        (batched across the jobs: attacker.job_adam), each job's plateau scheduler on its loss, then the
-        box on the images and [0, 1] on learned masks."""
-        signed = [self.images[j].grad for j in jobs if self.attacks[j].signed_gradients and self.images[j].grad is not None]
-        if signed:
-            torch._foreach_sign_(signed)  # the data gradients only; mask gradients stay as they are
-        adam_step_all([self.job_optimizers[j] for j in jobs])
-        for j, loss in zip(jobs, losses):
-            self.job_schedulers[j].step(loss)
+        with each job's learning rate and step count (attacker.job_adam, on the stacked rows), each job's
+        plateau rule on its loss, then the box on the images and [0, 1] on learned masks. Rows of other
+        jobs do not move."""
+        stepping = [False] * self.V
+        for j in jobs:
+            stepping[j] = True
+            self.adam_steps[j] += 1
+        step_size, bc2_sqrt = adam_factors(self.job_lr, self.adam_steps, stepping)
+        device = self.image_stack.device
+        step_size, bc2_sqrt = step_size.to(device), bc2_sqrt.to(device)
+        moving = torch.tensor(stepping, device=device)
         with torch.no_grad():
-            boxed = [self.images[j] for j in jobs if self.attacks[j].boxed]
-            if boxed:
-                torch._foreach_minimum_(boxed, [self.box_high.expand_as(x) for x in boxed])
-                torch._foreach_maximum_(boxed, [self.box_low.expand_as(x) for x in boxed])
-            masks = [self.learned[k] for j in jobs for kind, k in self.mask_slots[j] if kind == "learn"]
-            if masks:
-                torch._foreach_clamp_min_(masks, 0.0)
-                torch._foreach_clamp_max_(masks, 1.0)
+            grad = self.image_stack.grad
+            if grad is not None:
+                if bool(self.signed.any()):  # the data gradient only; mask gradients stay as they are
+                    grad = torch.where(_rows_view(self.signed, grad), grad.sign(), grad)
+                adam_rows_(self.image_stack, grad, self.adam_m_images, self.adam_v_images, step_size, bc2_sqrt, moving)
+                box = moving & self.boxed
+                if bool(box.any()):
+                    clamped = torch.maximum(torch.minimum(self.image_stack, self.box_high), self.box_low)
+                    self.image_stack.copy_(torch.where(_rows_view(box, clamped), clamped, self.image_stack))
+            for i, stack in enumerate(self.mask_stacks):
+                if stack.grad is None or not self.learn_jobs[i]:
+                    continue
+                rows = self._index(self.learn_jobs[i])
+                adam_rows_(stack, stack.grad, getattr(self, f"adam_m_mask_{i}"), getattr(self, f"adam_v_mask_{i}"),
+                           step_size.index_select(0, rows), bc2_sqrt.index_select(0, rows), moving.index_select(0, rows))
+                stack.clamp_(0.0, 1.0)
+        for j, loss in zip(jobs, losses):
+            self._plateau(j, loss)
 
     def step_job(self, j: int, loss: float) -> None:
         """:meth:`step_jobs` for one job."""
         self.step_jobs([j], [loss])
 
     # -- checkpoints: the per-job state Lightning does not know about ------------------------------
+    # The dummies, masks, Adam moments and best iterates are the module's parameters and buffers.
+    CHECKPOINT_FORMAT = 2
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["inversion"] = {
+            "format": self.CHECKPOINT_FORMAT,
             "iteration": self.iteration,
             "status": self.status,
             "best_loss": self.best_loss,
             "best_iteration": self.best_iteration,
             "since_best": self.since_best,
             "losses": self.losses,
-            "best_images": self.best_images,
-            "best_masks": self.best_masks,
-            "optimizers": [o.state_dict() for o in self.job_optimizers],
-            "schedulers": [s.state_dict() for s in self.job_schedulers],
+            "has_best": self.has_best,
+            "adam_steps": self.adam_steps,
+            "job_lr": self.job_lr,
+            "plateau_best": self.plateau_best,
+            "plateau_bad": self.plateau_bad,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["inversion"]
-        for key in ("iteration", "status", "best_loss", "best_iteration", "since_best", "losses", "best_images", "best_masks"):
+        for key in ("iteration", "status", "best_loss", "best_iteration", "since_best", "losses", "has_best",
+                    "adam_steps", "job_lr", "plateau_best", "plateau_bad"):
             setattr(self, key, state[key])
-        for opt, s in zip(self.job_optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-        for sch, s in zip(self.job_schedulers, state["schedulers"]):
-            sch.load_state_dict(s)
 
     # -- results ------------------------------------------------------------------------------------
     def results(self) -> list[JobResult]:
         out = []
         pixels = self.B * int(torch.Size(self.jobs[0].spec.input_shape).numel())
         for j, (job, attack) in enumerate(zip(self.jobs, self.attacks)):
-            best = self.best_images[j]
-            images = merge_copies((best if best is not None else self.images[j].detach()).cpu(), self.copies)
-            masks = [m.cpu() for m in self.best_masks[j]] if self.best_masks[j] else None
-            learned = sum(self.learned[k].numel() for kind, k in self.mask_slots[j] if kind == "learn")
+            source = self.best_images if self.has_best[j] else self.image_stack
+            images = merge_copies(source[j].detach().cpu().clone(), self.copies)
+            slots = [(i, k) for i, (kind, k) in enumerate(self.mask_slots[j]) if kind == "learn"]
+            masks = [getattr(self, f"best_masks_{i}")[k].cpu().clone() for i, k in slots] if slots and self.has_best[j] else None
+            learned = sum(self.mask_stacks[i][k].numel() for i, k in slots)
             out.append(
                 JobResult(
                     job.job_id,

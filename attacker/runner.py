@@ -52,6 +52,11 @@ def _check_checkpoint(path: Path) -> None:
         ) from None
     if not isinstance(state, dict) or "inversion" not in state:
         raise CheckpointError(f"checkpoint {path} is not an attack checkpoint of this tool")
+    from .inversion import InversionModule
+
+    if state["inversion"].get("format") != InversionModule.CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {path} was written by an older version of the engine; remove it to "
+                              "restart that group")
 
 
 def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:

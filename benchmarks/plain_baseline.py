@@ -37,14 +37,11 @@ def initial_state(module: InversionModule, j: int) -> tuple[Tensor, list[Tensor]
     """Job j's dummies and masks as the engine starts them (copies), and whether masks are learned."""
     image = module.images[j].detach().clone()
     masks, learned = [], False
-    for kind, k in module.mask_slots[j]:
-        if kind == "learn":
-            masks.append(module.learned[k].detach().clone())
-            learned = True
-        elif kind == "const":
-            masks.append(module.const_masks[k].detach().clone())
-        else:
+    for layer, (kind, _) in enumerate(module.mask_slots[j]):
+        if kind == "random":
             raise NotImplementedError("the plain baseline runs fixed or learned masks, not fresh random ones")
+        masks.append(module._mask(j, layer).detach().clone())
+        learned = learned or kind == "learn"
     return image, masks, learned
 
 

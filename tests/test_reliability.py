@@ -248,3 +248,18 @@ def test_a_damaged_checkpoint_is_refused_clearly(tmp_path, capsys, damage):
     code = main(["run", "--victims", "1", "--iterations", "2", "--quiet", "--no-lpips", "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 2 and "cannot be read safely" in text and not marker.exists()
+
+
+def test_a_checkpoint_of_an_older_engine_is_refused_clearly(tmp_path, capsys):
+    """The engine's checkpoint layout changed (stacked dummies, Adam written out): an older one cannot
+    resume, and says so instead of failing inside Lightning."""
+    from attacker.cli import main
+
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints" / "group000" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"status": "running"}))
+    torch.save({"inversion": {"iteration": 3, "optimizers": []}, "state_dict": {}}, ckpt)
+    code = main(["run", "--victims", "1", "--iterations", "2", "--quiet", "--no-lpips", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 2 and "older version of the engine" in text and "remove it" in text
