@@ -27,6 +27,12 @@ from .jobs import Oracle, VictimJob  # noqa: E402
 SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "rdlv", "mmd", "trd", "iterations")
 
 
+def _captured(defense: str) -> str:
+    from fedsim.defenses import DEFENSES
+
+    return DEFENSES[defense].captured if defense in DEFENSES else "what the capture file holds"
+
+
 def figure_png(fig, *, trim: bool = True) -> bytes:
     """A matplotlib figure as PNG bytes (110 dpi), closing it; ``trim`` crops the empty margin."""
     buf = io.BytesIO()
@@ -166,7 +172,8 @@ def write_results(
     atomic_write(run_dir / "reconstructions.safetensors", save_safetensors(tensors))
     labels = sorted({r["labels"] for r in rows})
     defended = sorted({(r.get("defense", "none"), r.get("adaptation", "none")) for r in rows} - {("none", "none")})
-    defense_lines = "".join(f"Defense {name}: adaptation {adaptation}.\n\n" for name, adaptation in defended)
+    defense_lines = "".join(f"Defense {name}: the server captured {_captured(name)}; the attack's adaptation: "
+                            f"{adaptation}.\n\n" for name, adaptation in defended)
     report = (
         f"# {title}\n\n"
         f"Labels: {', '.join(labels)}. SSIM/PSNR in *paper space* are computed on normalized tensors with "

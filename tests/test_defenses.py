@@ -202,7 +202,11 @@ def test_the_attack_knows_the_defense_and_names_its_adaptation(base: dict[str, A
     code = attacker_main(["run", "--captures", str(run), "--attacks", "ig_eval", "--iterations", "2", "--no-lpips",
                           "--quiet", "--out", str(out)])
     assert code == 0, capsys.readouterr().out
-    assert f"Defense {defense}: adaptation {adaptation}." in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert f"the attack's adaptation: {adaptation}." in report
+    assert f"Defense {defense}: the server captured {defenses.DEFENSES[defense].captured};" in report
+    if defense.startswith("central-dp"):
+        assert "without noise" in report  # the honest threat model, said in the report
     assert f",{defense}," in (out / "metrics.csv").read_text()
 
 
