@@ -31,7 +31,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from .attacks import AttackConfig
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
-from .job_adam import _rows_view, adam_factors, adam_rows_
+from .job_adam import _rows_view, adam_factors, adam_rows_, plateau_step
 from .jobs import Oracle, VictimJob, merge_copies, model_from_job, support_mask
 from .masks import MaskContext, mask_mode
 from .replay import replay_terms
@@ -399,18 +399,10 @@ class InversionModule(L.LightningModule):
             stack.grad = None
 
     def _plateau(self, j: int, loss: float) -> None:
-        """torch.optim.lr_scheduler.ReduceLROnPlateau.step(loss) for job j's learning rate (mode min,
-        relative threshold 1e-4, no cooldown, min_lr 0, eps 1e-8: torch's defaults)."""
+        """Job j's learning rate after its plateau rule saw ``loss`` (attacker.job_adam.plateau_step)."""
         attack = self.attacks[j]
-        if loss < self.plateau_best[j] * (1.0 - 1e-4):
-            self.plateau_best[j], self.plateau_bad[j] = loss, 0
-        else:
-            self.plateau_bad[j] += 1
-        if self.plateau_bad[j] > attack.plateau_patience:
-            lowered = max(self.job_lr[j] * attack.plateau_factor, 0.0)
-            if self.job_lr[j] - lowered > 1e-8:
-                self.job_lr[j] = lowered
-            self.plateau_bad[j] = 0
+        self.job_lr[j], self.plateau_best[j], self.plateau_bad[j] = plateau_step(
+            self.job_lr[j], self.plateau_best[j], self.plateau_bad[j], loss, attack.plateau_patience, attack.plateau_factor)
 
     def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
         """One optimizer step of each of ``jobs`` after the backward pass: signed data gradients, Adam

@@ -1,4 +1,5 @@
-"""Adam for many victim jobs at once, on stacked tensors: row j of a parameter belongs to job j.
+"""Adam and the plateau rule for many victim jobs at once, on stacked tensors: row j of a parameter
+belongs to job j.
 
 Every job has its own learning rate (its plateau rule lowers it) and its own step count (jobs stop at
 different iterations), so torch.optim.Adam, which has one learning rate per parameter group and steps
@@ -46,3 +47,18 @@ def adam_rows_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     denom = (exp_avg_sq.sqrt() / _rows_view(bc2_sqrt, exp_avg_sq)).add_(EPS)
     # torch's addcdiv computes param + (value * exp_avg) / denom: the same order, with value per row
     param.addcdiv_(_rows_view(step_size, exp_avg) * exp_avg, denom)
+
+
+def plateau_step(lr: float, best: float, bad: int, loss: float, patience: int, factor: float) -> tuple[float, float, int]:
+    """One ``torch.optim.lr_scheduler.ReduceLROnPlateau.step(loss)`` of one job with torch's defaults
+    (mode min, relative threshold 1e-4, no cooldown, min_lr 0, eps 1e-8): the new (lr, best, bad)."""
+    if loss < best * (1.0 - 1e-4):
+        best, bad = loss, 0
+    else:
+        bad += 1
+    if bad > patience:
+        lowered = max(lr * factor, 0.0)
+        if lr - lowered > 1e-8:
+            lr = lowered
+        bad = 0
+    return lr, best, bad

@@ -41,3 +41,21 @@ def test_stacked_rows_step_like_one_adam_per_row() -> None:
     for j in range(rows):
         assert torch.equal(stacked[j], singles[j].detach()), j  # bit for bit
     assert torch.isfinite(stacked).all()
+
+
+def test_plateau_step_lowers_the_rate_when_torchs_scheduler_does() -> None:
+    from attacker.job_adam import plateau_step
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.1, patience=3)
+    g = torch.Generator().manual_seed(1)
+    # falling, then flat (with tiny relative gains under the 1e-4 threshold), then falling, then flat
+    losses = [1.0, 0.9, 0.8] + [0.8 * (1 - 5e-5)] * 6 + [0.5, 0.4] + [0.4 + 0.01 * float(torch.rand(1, generator=g))
+                                                                       for _ in range(12)]
+    lr, best, bad = 0.1, float("inf"), 0
+    for loss in losses:
+        scheduler.step(loss)
+        lr, best, bad = plateau_step(lr, best, bad, loss, patience=3, factor=0.1)
+        assert lr == opt.param_groups[0]["lr"] and bad == scheduler.num_bad_epochs
+    assert lr < 0.01  # it was lowered twice along the way
