@@ -50,6 +50,7 @@ class JobResult:
     status: str  # converged | no_improvement | max_iterations | diverged | running
     optimized_values: int
     losses: list[float] = field(default_factory=list)
+    ssim_curve: list[tuple[int, float]] = field(default_factory=list)  # (iteration, SSIM): attacker.curves
 
 
 def job_seed(job: VictimJob, attack: AttackConfig, seed: int) -> int:

@@ -181,6 +181,7 @@ def run_attack(
     results: list[JobResult] = run_jobs(
         all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
         checkpoint_every=cfg.checkpoint_every, progress=progress, max_jobs_per_group=group_cap,
+        score_oracles=scoring_oracles,
     )
     iterations = sum(len(r.losses) for r in results)
     log(f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "

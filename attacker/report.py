@@ -24,7 +24,8 @@ from fedsim.data import denormalize, get_spec  # noqa: E402
 from .inversion import JobResult  # noqa: E402
 from .jobs import Oracle, VictimJob  # noqa: E402
 
-SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "rdlv", "mmd", "trd", "iterations")
+SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "rdlv", "mmd", "trd", "iterations",
+                "iters_to_ssim90")
 
 
 def _captured(defense: str) -> str:
@@ -73,6 +74,8 @@ def summarize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 t = torch.tensor(vals, dtype=torch.float64)
                 entry[f"{key}_mean"] = t.mean().item()
                 entry[f"{key}_std"] = t.std(unbiased=False).item()
+        # how many jobs reached SSIM 0.9 within the run (iters_to_ssim90 is their mean), of those scored
+        entry["reached_ssim90"] = sum(m.get("iters_to_ssim90") is not None for m in members)
         entry["optimized_values"] = members[0]["optimized_values"]
         entry["statuses"] = ",".join(sorted({m["status"] for m in members}))
         summary.append(entry)
@@ -163,6 +166,9 @@ def write_results(
     curves = [{"job": r.job_id, "attack": r.attack, "iteration": i, "loss": v} for r in results for i, v in enumerate(r.losses)]
     atomic_write(run_dir / "loss_curves.csv", csv_text(curves) if curves else "job,attack,iteration,loss\n")
     atomic_write(run_dir / "loss_curves.png", loss_plot(results))
+    points = [{"job": r.job_id, "attack": r.attack, "iteration": it, "ssim_paper": s}
+              for r in results for it, s in r.ssim_curve]
+    atomic_write(run_dir / "ssim_curves.csv", csv_text(points) if points else "job,attack,iteration,ssim_paper\n")
     atomic_write(run_dir / "grid.png", image_grid(jobs, oracles, results))
     tensors = {}
     for res in results:

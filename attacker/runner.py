@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from fedsim.atomic import atomic_path
 
 from .attacks import AttackConfig
+from .curves import SSIMCurve
 from .inversion import InversionModule, JobResult
 from .gradients import PerJobGradients
 from .jobs import Oracle, VictimJob, model_from_job
@@ -86,9 +87,12 @@ def run_jobs(
     checkpoint_every: int = 250,
     progress: bool = True,
     max_jobs_per_group: int = 512,
+    score_oracles: list[Oracle | None] | None = None,
+    curve_every: int = 100,
 ) -> list[JobResult]:
     """Optimize every job; results come back in job order. An interrupted run resumes from the
-    groups' last checkpoints when called again with the same jobs and run_dir."""
+    groups' last checkpoints when called again with the same jobs and run_dir. With
+    ``score_oracles`` (the ground truth, for scoring only), each result carries its SSIM curve."""
     run_dir = Path(run_dir)
     results: list[JobResult | None] = [None] * len(jobs)
     groups = []
@@ -113,6 +117,9 @@ def run_jobs(
         ckpt_dir = run_dir / "checkpoints" / f"group{g:03d}"
         last = ckpt_dir / "last.ckpt"
         callbacks: list = [EpochCheckpoint(last)]
+        curve = SSIMCurve([score_oracles[i] for i in group], curve_every) if score_oracles and curve_every > 0 else None
+        if curve is not None:
+            callbacks.append(curve)
         if progress:
             callbacks.append(RichProgressBar())
         trainer = L.Trainer(
@@ -134,6 +141,8 @@ def run_jobs(
             warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
             # weights_only: a checkpoint is read as tensors and plain data, never as arbitrary pickles.
             trainer.fit(module, ckpt_path=str(last) if last.exists() else None, weights_only=True)
-        for i, result in zip(group, module.results()):
+        for k, (i, result) in enumerate(zip(group, module.results())):
+            if curve is not None:
+                result.ssim_curve = list(curve.points[k])
             results[i] = result
     return [r for r in results if r is not None]

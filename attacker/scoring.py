@@ -9,6 +9,7 @@ import torch
 
 from fedsim.data import get_spec
 
+from .curves import iterations_to
 from .inversion import JobResult
 from .jobs import Oracle, VictimJob
 from .metrics import LpipsScorer, mask_metrics, score_batch
@@ -49,6 +50,7 @@ def score_results(
                 entry = scored["metrics"].get(key)
                 row[key] = entry["mean"] if entry else None
             row["matched"] = scored["matched"]
+            row["iters_to_ssim90"] = iterations_to(res.ssim_curve) if res.ssim_curve else None
             row["rdlv"] = rdlv(row["ssim_paper"], oracle.images, priors.get(_key(oracle.images)), spec.mean, spec.std)
             if scored.get("unmatched_metrics"):
                 row["ssim_paper_unmatched"] = scored["unmatched_metrics"]["ssim_paper"]["mean"]

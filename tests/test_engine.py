@@ -201,3 +201,27 @@ def test_attack_config_errors():
         make_attack("dia", learning_rate=0.1)
     with pytest.raises(AttackConfigError, match="max_iterations"):
         make_attack("dia", max_iterations=0)
+
+
+def test_the_ssim_curve_survives_a_resume(mnist_like, tmp_path):
+    """The curve lives in the callback's checkpointed state: a resumed run continues it, and ends with
+    the same points as an uninterrupted one."""
+    from attacker.curves import SSIMCurve
+
+    jobs, oracles = _jobs(mnist_like, n=2)
+    attacks = [make_attack("dia", max_iterations=60)] * 2
+
+    def module():
+        m = InversionModule(jobs, attacks, None)
+        m.chunk = 20
+        return m
+
+    full_curve = SSIMCurve(oracles, every=20)
+    _fit(module(), max_epochs=3, callbacks=[full_curve])
+    last = tmp_path / "last.ckpt"
+    _fit(module(), max_epochs=1, callbacks=[EpochCheckpoint(last), SSIMCurve(oracles, every=20)])
+    resumed_curve = SSIMCurve(oracles, every=20)
+    _fit(module(), max_epochs=3, callbacks=[EpochCheckpoint(last), resumed_curve], ckpt_path=str(last))
+    for a, b in zip(full_curve.points, resumed_curve.points):
+        assert [it for it, _ in a] == [it for it, _ in b] == [1, 20, 40, 60]
+        assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)

@@ -76,6 +76,7 @@ def collect_rows(experiments: list[Experiment], selected: list[tuple[Experiment,
                 unmatched = [float(m["ssim_paper_unmatched"]) for m in metrics
                              if m.get("attack") == attack and m.get("ssim_paper_unmatched") is not None]
                 row["ssim_paper_unmatched_mean"] = sum(unmatched) / len(unmatched) if unmatched else None
+                row["reached_ssim90"] = e.get("reached_ssim90")
                 paper = cell.paper.get(attack) or {}
                 row["paper_ssim"] = paper.get("ssim")
                 row["paper_mmd"] = paper.get("mmd")
@@ -171,6 +172,9 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
         head += ["attack", "victims", "SSIM paper-space (ours)", "SSIM paper", "SSIM [0,1] (ours)"]
         if defended:
             head.append("RDLV (ours)")
+        curves = any(r.get("reached_ssim90") is not None for r in erows)
+        if curves:
+            head.append("iterations to SSIM 0.9 (reached)")
         if has_mmd:
             head += ["MMD (ours)", "MMD paper"]
         if has_acc:
@@ -193,6 +197,11 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
                       fmt_mean_std(r["paper_ssim"], digits=2), fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"])]
             if defended:
                 cells.append(fmt_mean_std(r.get("rdlv_mean"), r.get("rdlv_std"), digits=2))
+            if curves:
+                reached = r.get("reached_ssim90")
+                mean = r.get("iters_to_ssim90_mean")
+                cells.append("–" if reached is None else f"{mean:.0f} ({reached}/{r['victims'] or '?'})"
+                             if mean is not None else f"never (0/{r['victims'] or '?'})")
             if has_mmd:
                 cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
             if has_acc:

@@ -1,0 +1,59 @@
+"""SSIM against the iteration: how fast an attack reaches a good reconstruction, not only where it ends.
+
+A Lightning callback scores every running job's current dummies against its ground truth every
+``every`` iterations (paper-space SSIM, matched for B > 1, as the final scoring does). The ground
+truth stays in the callback, which only measures: the attack module never sees it (only WIIG's
+masks reach the module, attacks.py). The curve is kept in the checkpoint (the callback's state), so a
+resumed run continues it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from fedsim.data import get_spec
+
+from .jobs import Oracle, merge_copies
+from .metrics import score_batch
+
+SSIM_TARGET = 0.9  # "iterations to SSIM 0.9", the speed figure of issue 13
+
+
+class SSIMCurve(L.Callback):
+    def __init__(self, oracles: list[Oracle | None], every: int = 100) -> None:
+        self.oracles = oracles
+        self.every = every
+        self.points: list[list[tuple[int, float]]] = [[] for _ in oracles]  # per job: (iteration, ssim)
+        self.done = [False] * len(oracles)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        it = module.iteration
+        due = it % self.every == 0 or it == 1  # iteration 1 too: where every curve starts
+        spec = get_spec(module.jobs[0].spec.dataset, module.jobs[0].spec.input_shape[0])
+        with torch.no_grad():
+            for j, oracle in enumerate(self.oracles):
+                if oracle is None or self.done[j]:
+                    continue
+                stopped = module.status[j] != "running"
+                if not (due or stopped):
+                    continue
+                if stopped:
+                    self.done[j] = True  # its last point: where it stopped (its dummies no longer move)
+                images = merge_copies(module.image_stack[j].detach().cpu(), module.copies)
+                scored = score_batch(oracle.images, images, spec.mean, spec.std, labels=module.jobs[j].labels)
+                self.points[j].append((it, float(scored["metrics"]["ssim_paper"]["mean"])))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"points": self.points, "done": self.done}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.points = [list(map(tuple, p)) for p in state_dict["points"]]
+        self.done = list(state_dict["done"])
+
+
+def iterations_to(points: list[tuple[int, float]], target: float = SSIM_TARGET) -> int | None:
+    """The first scored iteration at which the SSIM reached ``target`` (None: never within the run)."""
+    return next((it for it, ssim in points if ssim >= target), None)
