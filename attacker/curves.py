@@ -43,7 +43,9 @@ class SSIMCurve(L.Callback):
                 if stopped:
                     self.done[j] = True  # its last point: where it stopped (its dummies no longer move)
                 images = merge_copies(module.image_stack[j].detach().cpu(), module.copies)
-                scored = score_batch(oracle.images, images, spec.mean, spec.std, labels=module.jobs[j].labels)
+                # an unknown batch order holds one label per copy of each image: match on the images alone
+                labels = module.jobs[j].labels if module.copies == 1 else None
+                scored = score_batch(oracle.images, images, spec.mean, spec.std, labels=labels)
                 self.points[j].append((it, float(scored["metrics"]["ssim_paper"]["mean"])))
 
     def state_dict(self) -> dict[str, Any]:
