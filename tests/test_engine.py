@@ -123,14 +123,18 @@ def test_diverging_job_stops_and_others_finish(mnist_like):
     assert torch.isfinite(good.images).all()
 
 
+def _sixty_iteration_dia(jobs):
+    """A fresh module of two DIA jobs that stop at 60 iterations, in Lightning epochs of 20."""
+    m = InversionModule(jobs, [make_attack("dia", max_iterations=60)] * len(jobs), None)
+    m.chunk = 20
+    return m
+
+
 def test_interrupted_run_resumes_to_the_same_result(mnist_like, tmp_path):
     jobs, oracles = _jobs(mnist_like, n=2)
-    attacks = [make_attack("dia", max_iterations=60)] * 2
 
     def module():
-        m = InversionModule(jobs, attacks, None)
-        m.chunk = 20
-        return m
+        return _sixty_iteration_dia(jobs)
 
     full = _fit(module(), max_epochs=3)
     last = tmp_path / "last.ckpt"
@@ -209,12 +213,9 @@ def test_the_ssim_curve_survives_a_resume(mnist_like, tmp_path):
     from attacker.curves import SSIMCurve
 
     jobs, oracles = _jobs(mnist_like, n=2)
-    attacks = [make_attack("dia", max_iterations=60)] * 2
 
     def module():
-        m = InversionModule(jobs, attacks, None)
-        m.chunk = 20
-        return m
+        return _sixty_iteration_dia(jobs)
 
     full_curve = SSIMCurve(oracles, every=20)
     _fit(module(), max_epochs=3, callbacks=[full_curve])
