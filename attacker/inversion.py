@@ -308,7 +308,8 @@ class InversionModule(L.LightningModule):
         targets = [[getattr(self, f"target_{i}")[j] for i in range(self.num_params)] for j in active]
         labels = [self.labels.view(self.V, self.B)[j] for j in active]
         start = dict(self.model.named_parameters())
-        terms = replay_terms(self.model, start, self.plan, [self.images[j] for j in active], labels, per_step, targets,
+        dummies = self.images  # one unbind for all jobs, not one per job
+        terms = replay_terms(self.model, start, self.plan, [dummies[j] for j in active], labels, per_step, targets,
                              [self._support(j, self.labels.device) for j in active])
         layers = [torch.cat([masks[j][i] for j in active]) for i in range(len(self.mask_shapes))]
         return terms, layers
