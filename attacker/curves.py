@@ -32,6 +32,8 @@ class SSIMCurve(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         it = module.iteration
         due = it % self.every == 0 or it == 1  # iteration 1 too: where every curve starts
+        if not due and all(self.done[j] or module.status[j] == "running" for j in range(len(self.oracles))):
+            return  # nothing to score this iteration
         spec = get_spec(module.jobs[0].spec.dataset, module.jobs[0].spec.input_shape[0])
         with torch.no_grad():
             for j, oracle in enumerate(self.oracles):

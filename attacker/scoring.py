@@ -25,6 +25,7 @@ def score_results(
 ) -> list[dict[str, Any]]:
     """One row per job: what was attacked, how the optimization ended, and every metric."""
     priors = prior_images(oracles)
+    prior_ssim: dict[str, float] = {}
     rows = []
     for job, oracle, res in zip(jobs, oracles, results):
         row: dict[str, Any] = {
@@ -51,7 +52,10 @@ def score_results(
                 row[key] = entry["mean"] if entry else None
             row["matched"] = scored["matched"]
             row["iters_to_ssim90"] = iterations_to(res.ssim_curve) if res.ssim_curve else None
-            row["rdlv"] = rdlv(row["ssim_paper"], oracle.images, priors.get(_key(oracle.images)), spec.mean, spec.std)
+            key = _key(oracle.images)
+            if key in priors and key not in prior_ssim:  # once per victim batch, not once per attack on it
+                prior_ssim[key] = prior_score(oracle.images, priors[key], spec.mean, spec.std)
+            row["rdlv"] = rdlv(row["ssim_paper"], prior_ssim.get(key))
             if scored.get("unmatched_metrics"):
                 row["ssim_paper_unmatched"] = scored["unmatched_metrics"]["ssim_paper"]["mean"]
                 row["ssim_std_unmatched"] = scored["unmatched_metrics"]["ssim_std"]["mean"]
@@ -84,11 +88,14 @@ def prior_images(oracles: list[Oracle | None]) -> dict[str, torch.Tensor]:
             for key, images in known.items()}
 
 
-def rdlv(ssim_recon: float | None, originals: torch.Tensor, prior: torch.Tensor | None,
-         mean: Any, std: Any) -> float | None:
-    """The RDLV of one job (None without a prior, or when the prior's SSIM is not positive)."""
-    if ssim_recon is None or prior is None:
-        return None
+def prior_score(originals: torch.Tensor, prior: torch.Tensor, mean: Any, std: Any) -> float:
+    """SSIM (paper space) of the prior image against each original, averaged over the batch."""
     scored = score_batch(originals, prior.expand_as(originals).contiguous(), mean, std, match=False)
-    base = scored["metrics"]["ssim_paper"]["mean"]
-    return (ssim_recon - base) / base if base > 0 else None
+    return scored["metrics"]["ssim_paper"]["mean"]
+
+
+def rdlv(ssim_recon: float | None, ssim_prior: float | None) -> float | None:
+    """The RDLV of one job (None without a prior, or when the prior's SSIM is not positive)."""
+    if ssim_recon is None or ssim_prior is None or ssim_prior <= 0:
+        return None
+    return (ssim_recon - ssim_prior) / ssim_prior

@@ -14,7 +14,7 @@ from attacker.experiments.frontier import defense_fields, frontier_figure
 from attacker.experiments.spec import Cell
 from attacker.jobs import Oracle
 from attacker.metrics import score_batch
-from attacker.scoring import _key, prior_images, rdlv
+from attacker.scoring import _key, prior_images, prior_score, rdlv
 from fedsim.data import get_spec
 from fedsim.defenses import privacy_spent
 from fedsim.run_config import resolve_config
@@ -53,9 +53,10 @@ def test_prior_is_the_mean_of_the_other_victims_and_rdlv_measures_the_gain() -> 
     assert torch.allclose(prior[_key(images[2])], (images[0] + images[1]) / 2)
     key0 = _key(images[0])
     base = score_batch(images[0], prior[key0].expand_as(images[0]), spec.mean, spec.std, match=False)["metrics"]["ssim_paper"]["mean"]
-    assert rdlv(1.0, images[0], prior[key0], spec.mean, spec.std) == pytest.approx((1.0 - base) / base)
-    assert rdlv(base, images[0], prior[key0], spec.mean, spec.std) == pytest.approx(0.0, abs=1e-9)
-    assert rdlv(0.5, images[0], None, spec.mean, spec.std) is None
+    assert prior_score(images[0], prior[key0], spec.mean, spec.std) == pytest.approx(base)
+    assert rdlv(1.0, base) == pytest.approx((1.0 - base) / base)
+    assert rdlv(base, base) == pytest.approx(0.0, abs=1e-9)
+    assert rdlv(0.5, None) is None and rdlv(0.5, 0.0) is None
     assert prior_images(oracles[:1]) == {}  # one victim batch: no prior without using the victim itself
 
 
