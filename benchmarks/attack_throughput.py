@@ -29,6 +29,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -77,6 +78,26 @@ def make_module(model: str, dataset: str, jobs: int, device: torch.device | str 
                for i in range(jobs)]
     vjobs, _ = jobs_from_images(spec, batches)
     return InversionModule(vjobs, [make_attack("dia", **attack)] * jobs, None).to(device)
+
+
+def autocast_step(module: InversionModule, device: torch.device):
+    """engine_step under bf16 autocast (GEMMs in bfloat16, reductions and norms in float32): the
+    lower-precision path issue 12 suggested trying; timed beside the others, not used by the engine."""
+
+    def step() -> list[float]:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return engine_step(module)
+
+    return step
+
+
+def bf16_loss_error(module: InversionModule, device: torch.device) -> float:
+    """Largest relative difference of the jobs' losses, bf16 autocast against float32, same state."""
+    active = module.active()
+    exact = module.job_losses(active)[0].detach()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        low = module.job_losses(active)[0].detach().float()
+    return float(((low - exact).abs() / exact.abs().clamp_min(1e-12)).max())
 
 
 def engine_step(module: InversionModule) -> list[float]:
@@ -187,30 +208,42 @@ def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: to
         flops_f, mem_f = count_flops(step), memory.peak_gb()
         used = len(ghost.used_factors)
         weights = sum(1 for m, _ in ghost.layers if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
-        times: dict[bool, list[float]] = {False: [], True: []}
+        paths: dict[str, Callable[[], Any]] = {"dense": step, "factored": step}
+        bf16_err = None
+        if args.bf16:
+            paths["fact+bf16"] = autocast_step(module, device)
+            bf16_err = bf16_loss_error(module, device)
+        times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.repeats):
-            for factored in (False, True):  # the flag alone switches paths; the factors stay cached
-                ghost.factored = factored
-                step()
+            for path, run in paths.items():  # the flag alone switches paths; the factors stay cached
+                ghost.factored = path != "dense"
+                run()
                 sync()
                 start = time.perf_counter()
                 for _ in range(args.iterations):
-                    step()
+                    run()
                 sync()
-                times[factored].append((time.perf_counter() - start) / args.iterations)
+                times[path].append((time.perf_counter() - start) / args.iterations)
             time_baseline()
-        rows.append((v, min(times[False]), flops_d, mem_d, min(times[True]), flops_f, mem_f, used, weights, factor_s))
+        bf16 = (min(times["fact+bf16"]), bf16_err) if args.bf16 else None
+        rows.append((v, min(times["dense"]), flops_d, mem_d, min(times["factored"]), flops_f, mem_f, used, weights,
+                     factor_s, bf16))
         del module, ghost, step
     dt_b = min(base_times)
     base_rate = 1 / dt_b
     print(row(name, 1, "baseline", base_rate, None, dt_b, flops_b, peak, mem_b), flush=True)
     out = [{"model": name, "V": 1, "path": "baseline", "rate": base_rate}]
-    for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s in rows:
+    for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s, bf16 in rows:
         print(row(name, v, "dense", v / dt_d, v / dt_d / base_rate, dt_d, flops_d, peak, mem_d), flush=True)
         print(row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak, mem_f)
               + f"   ({used}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)", flush=True)
         out += [{"model": name, "V": v, "path": "dense", "rate": v / dt_d},
                 {"model": name, "V": v, "path": "factored", "rate": v / dt_f}]
+        if bf16 is not None:  # same FLOPs as the factored row (the counter counts operations, not precision)
+            dt_h, err = bf16
+            print(row(name, v, "fact+bf16", v / dt_h, v / dt_h / base_rate, dt_h, flops_f, peak, mem_f)
+                  + f"   (bf16 autocast; job losses off the float32 ones by up to {100 * err:.2g} %)", flush=True)
+            out.append({"model": name, "V": v, "path": "fact+bf16", "rate": v / dt_h})
     return out
 
 
@@ -225,6 +258,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--baseline-victims", type=int, default=4, help="victims the plain loop runs, one after another")
     parser.add_argument("--batch-size", type=int, default=1, help="images per victim job (B)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also time the factored path under bf16 autocast (an experiment: the engine runs float32)")
     parser.add_argument("--lightning", action="store_true", help="also time the Lightning Trainer against the plain loop")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")

@@ -38,3 +38,15 @@ def test_gpu_check_without_a_gpu_exits_with_one_line(monkeypatch, capsys):
     assert gpu_check.main() == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and "no CUDA GPU" in out.err
+
+
+def test_bench_times_the_bf16_path_beside_the_others(capsys):
+    from attack_throughput import main
+
+    rows = main(["--models", "mlp", "--jobs", "2", "--iterations", "1", "--repeats", "1",
+                 "--baseline-victims", "1", "--bf16"])
+    assert [r["path"] for r in rows] == ["baseline", "dense", "factored", "fact+bf16"]
+    assert all(r["rate"] > 0 for r in rows)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "fact+bf16" in x)
+    error = float(line.split("by up to ")[1].split(" %")[0])
+    assert 0 < error < 50  # bf16 moves the losses a little, not wholesale
