@@ -31,7 +31,7 @@ from fedsim.models import ModelSpecError
 from fedsim.run_config import SETTINGS
 
 from .attacks import REPLAY_ORDERS, PRESETS, AttackConfigError
-from .config import PRECISIONS, ConfigError, RunConfig, load_config, parse_config
+from .config import ConfigError, RunConfig, load_config, parse_config
 from .live import watch
 from .story import run_story
 from .runner import CheckpointError
@@ -72,8 +72,6 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
         p.add_argument("--device", help="auto (GPU when there is one), cpu or gpu")
         p.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
-        p.add_argument("--precision", choices=PRECISIONS,
-                       help="Lightning precision of the attack (default 32-true; bf16-mixed: faster on BF16 CPUs, less exact)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     run = sub.add_parser("run", help="run an attack config")
@@ -188,7 +186,7 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         data["attack_overrides"] = dict(data.get("attack_overrides") or {}, max_iterations=args.iterations)
     if getattr(args, "replay_order", None) is not None:
         data["attack_overrides"] = dict(data.get("attack_overrides") or {}, replay_order=args.replay_order)
-    for arg in ("labels", "device", "seed", "precision"):
+    for arg in ("labels", "device", "seed"):
         if getattr(args, arg) is not None:
             data[arg] = getattr(args, arg)
     if args.no_lpips:

@@ -58,9 +58,6 @@ class RunConfig:
     attack_overrides: dict[str, Any] = field(default_factory=dict)
     labels: str = _FED["labels"]  # known (the paper) or recovered (from the gradient)
     device: str = "auto"
-    # Lightning's Trainer precision: "32-true" (the default, what every result here used) or
-    # "bf16-mixed" (autocast: GEMMs in bfloat16; faster on CPUs with BF16 units, less exact, see README).
-    precision: str = "32-true"
     seed: int = 0
     lpips: bool = True
     checkpoint_every: int = 250
@@ -82,9 +79,6 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-PRECISIONS = ("32-true", "bf16-mixed")
 
 
 def _check_keys(data: dict, cls: type, where: str) -> None:
@@ -154,8 +148,6 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"labels must be 'known' or 'recovered', got {cfg.labels!r}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda", "mps"):
         raise ConfigError(f"device must be auto, cpu or gpu, got {cfg.device!r}")
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision must be {' or '.join(PRECISIONS)}, got {cfg.precision!r}")
     if not isinstance(cfg.attacks, list) or not cfg.attacks:
         raise ConfigError("attacks must be a non-empty list of attack names")
     _expect(cfg.max_unroll_gb, (int, float), "max_unroll_gb")

@@ -180,7 +180,7 @@ def run_attack(
     attack_started = time.time()
     results: list[JobResult] = run_jobs(
         all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
-        precision=cfg.precision, checkpoint_every=cfg.checkpoint_every, progress=progress, max_jobs_per_group=group_cap,
+        checkpoint_every=cfg.checkpoint_every, progress=progress, max_jobs_per_group=group_cap,
         score_oracles=scoring_oracles,
     )
     iterations = sum(len(r.losses) for r in results)

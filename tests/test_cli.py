@@ -89,7 +89,6 @@ def test_bad_arguments_give_one_clear_line(args, message, tmp_path, capsys):
         ("victims: [1, 2]\n", "victims must be a mapping"),
         ("victims: {model: mlp\n", "not valid YAML"),
         ("labels: guessed\n", "labels must be"),
-        ("precision: 16-mixed\n", "precision must be 32-true or bf16-mixed"),
     ],
 )
 def test_bad_config_files(content, message, tmp_path, capsys):
