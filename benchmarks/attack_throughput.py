@@ -8,6 +8,7 @@ memory, for the dense targets ("before") and the factored low-rank targets ("aft
     .venv/bin/python benchmarks/attack_throughput.py --models mlp --jobs 1 128 512 --iterations 20
     .venv/bin/python benchmarks/attack_throughput.py --threads 1     # a machine others are loading too
     .venv/bin/python benchmarks/attack_throughput.py --device cuda  # on a GPU machine
+    .venv/bin/python benchmarks/attack_throughput.py --models vit --bf16  # also the factored path in bf16
 
 Absolute figures drift by tens of percent between runs on shared machines; the ratios are what to
 quote. The baseline, dense and factored paths are timed in turns, and each figure is the best of a
