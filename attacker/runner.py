@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
@@ -71,9 +72,22 @@ def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
     return list(groups.values())
 
 
-# Jobs per batched optimization: beyond these, throughput stops growing while memory keeps growing
-# (measured on 2 cores: ViT/CIFAR-10 41-43 victim-it/s at V = 8-32, 25 and 7.0 GB at V = 128).
-GROUP_CAPS = {"vit": 16, "vit_b16": 1, "resnet18": 16}
+# Jobs per batched optimization, by device. CPU: beyond these, throughput stops growing while memory
+# keeps growing (measured on 2 cores: ViT/CIFAR-10 41-43 victim-it/s at V = 8-32, 25 and 7.0 GB at
+# V = 128). GPU (an H200, `make gpu-check` and README's GPU table): a ViT iteration takes about the
+# same 62-71 ms from V = 1 to V = 128 (kernel launches, not arithmetic, bound it; 4.7 GB at 128) and
+# a ResNet-18 one 53 ms at V = 16, 78-82 ms at V = 64 (4.7 GB), so both batch more jobs there; the
+# ViT-B/16 stays at one job until measured on a GPU.
+GROUP_CAPS = {
+    "cpu": {"vit": 16, "vit_b16": 1, "resnet18": 16},
+    "gpu": {"vit": 128, "vit_b16": 1, "resnet18": 64},
+}
+
+
+def group_caps(accelerator: str) -> dict[str, int]:
+    """The caps for the device Lightning will pick for ``accelerator`` ("auto": a GPU when there is one)."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return GROUP_CAPS["gpu" if on_gpu else "cpu"]
 
 
 def run_jobs(
@@ -96,8 +110,9 @@ def run_jobs(
     run_dir = Path(run_dir)
     results: list[JobResult | None] = [None] * len(jobs)
     groups = []
+    caps = group_caps(accelerator)
     for group in group_jobs(jobs):
-        cap = min(max_jobs_per_group, GROUP_CAPS.get(jobs[group[0]].spec.name, max_jobs_per_group))
+        cap = min(max_jobs_per_group, caps.get(jobs[group[0]].spec.name, max_jobs_per_group))
         for start in range(0, len(group), cap):
             groups.append(group[start : start + cap])
     # BatchNorm models cannot batch jobs: split them into single-job groups.

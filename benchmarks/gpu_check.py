@@ -6,8 +6,8 @@
 2. throughput (benchmarks/attack_throughput.py on cuda: the batched engine as a ratio to the plain
    one-victim loop in the same run, dense and factored targets, GFLOP/s and % of the GPU's fp32
    GEMM peak, torch.cuda.max_memory_allocated) for the MLP/MNIST and the ViT/CIFAR-10 at a few V;
-3. one small attack end to end with `attacker run ... --device gpu` (its results table), then its
-   wall time and torch.cuda.max_memory_allocated.
+3. two small attacks end to end with `attacker run ... --device gpu` (MLP: IG (eval), WIIG and
+   DIA; ViT: DIA; their results tables), each with its wall time and torch.cuda.max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -38,21 +38,23 @@ def check_cpu_equals_gpu() -> None:
               f"(max difference {float((losses[1] - losses[0]).abs().max()):.1e})", flush=True)
 
 
-def attack_end_to_end() -> int:
+def attack_end_to_end(model: str, victims: int, attacks: list[str], iterations: int) -> int:
+    """One ``attacker run`` on the GPU (MNIST: the paper's victims where ../shared is beside the
+    checkout, else the offline sample), with its wall time and CUDA peak memory."""
     from attacker.cli import main as attacker_main
 
     victim_file = HERE.parents[1] / "shared" / "data" / "dia-victims" / "MNIST_128.tdump"  # the paper's victims
     source = ["--victim-file", str(victim_file)] if victim_file.is_file() else []
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ["run", "--model", "mlp", "--dataset", "mnist", "--p", "0.25", "--victims", "16", *source,
-                "--attacks", "ig_eval", "wiig", "dia", "--iterations", "2000", "--device", "gpu", "--no-lpips",
+        argv = ["run", "--model", model, "--dataset", "mnist", "--p", "0.25", "--victims", str(victims), *source,
+                "--attacks", *attacks, "--iterations", str(iterations), "--device", "gpu", "--no-lpips",
                 "--quiet", "--out", str(Path(tmp) / "run")]
         print("attacker " + " ".join(argv), flush=True)
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         rc = attacker_main(argv)
         seconds = time.perf_counter() - start
-    print(f"attacker run: exit {rc}, {seconds:.1f} s wall, torch.cuda.max_memory_allocated "
+    print(f"attacker run ({model}): exit {rc}, {seconds:.1f} s wall, torch.cuda.max_memory_allocated "
           f"{torch.cuda.max_memory_allocated() / 1e9:.2f} GB", flush=True)
     return rc
 
@@ -68,7 +70,9 @@ def main() -> int:
     check_cpu_equals_gpu()
     bench(["--device", "cuda", "--models", "mlp", "--jobs", "1", "128", "512", "2048", "--iterations", "20"])
     bench(["--device", "cuda", "--models", "vit", "--jobs", "1", "16", "64", "128", "--iterations", "10"])
-    return attack_end_to_end()
+    rc_mlp = attack_end_to_end("mlp", 16, ["ig_eval", "wiig", "dia"], 2000)
+    rc_vit = attack_end_to_end("vit", 16, ["dia"], 1000)  # the ViT's runner group: 16 jobs
+    return rc_mlp or rc_vit
 
 
 if __name__ == "__main__":

@@ -226,3 +226,14 @@ def test_the_ssim_curve_survives_a_resume(mnist_like, tmp_path):
     for a, b in zip(full_curve.points, resumed_curve.points):
         assert [it for it, _ in a] == [it for it, _ in b] == [1, 20, 40, 60]
         assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)
+
+
+def test_group_caps_follow_the_device_lightning_will_pick(monkeypatch):
+    from attacker.runner import GROUP_CAPS, group_caps
+
+    assert group_caps("cpu") is GROUP_CAPS["cpu"] and group_caps("gpu") is GROUP_CAPS["gpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert group_caps("auto") is GROUP_CAPS["cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert group_caps("auto") is GROUP_CAPS["gpu"]
+    assert GROUP_CAPS["gpu"]["vit"] > GROUP_CAPS["cpu"]["vit"]  # measured: flat ms/iteration on a GPU
