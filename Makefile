@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench gpu-check clean
+.PHONY: setup test demo victims bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ test: setup
 
 demo: setup
 	$(BIN)/attacker demo
+
+# The paper's 128 MNIST and 128 CIFAR-10 victims, fetched from the authors' repository and checked
+# against pinned SHA-256 into data/dia-victims/ (commands that need them also fetch on first use).
+victims: setup
+	$(BIN)/fedsim victims
 
 # make bench BENCH_ARGS="--threads 1"   (options: benchmarks/attack_throughput.py --help)
 bench: setup

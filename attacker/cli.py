@@ -3,7 +3,7 @@
   attacker demo                      the main job: IG (eval), WIIG and DIA on MNIST victims of an MLP, p = 0.25
   attacker demo --capture-kind update  the same on a FedAvg training round (4 local steps, fresh masks per step)
   attacker run CONFIG.yaml           an attack config (see configs/attacks/)
-  attacker run --model vit --dataset cifar10 --p 0.25 --victim-file ../shared/data/dia-victims/CIFAR10_128.tdump
+  attacker run --model vit --dataset cifar10 --p 0.25 --paper-victims   (the paper's victims, fetched on first use)
   attacker watch RUN_DIR             attack a federated run's captures live, as the curious server writes them
   attacker presets                   the attack presets and their defaults
   attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 2000
@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an attack config")
     run.add_argument("config", nargs="?", help="YAML attack config")
     common(run)
+    run.add_argument("--paper-victims", action="store_true",
+                     help="the paper's victims of --dataset, from <data-root>/dia-victims (fetched with a pinned "
+                          "SHA-256 on first use, or by `make victims`; DLA_OFFLINE=1 turns fetching off)")
     run.add_argument("--replay-order", choices=REPLAY_ORDERS,
                      help="update captures: known (in-order batches; default) or unknown (one dummy copy per epoch)")
     demo = sub.add_parser("demo", help="the main job: federated training with dropout, capture, IG/WIIG/DIA, report")
@@ -102,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, or else a substring")
     exp.add_argument("--include-optional", action="store_true", help="also run optional cells (ViT-B/16, MLP in fig5c)")
     exp.add_argument("--victim-source", choices=["paper", "builtin", "federated"], default="paper",
-                     help="paper: ../shared/data/dia-victims/*.tdump; builtin: victims from a client's partition; "
+                     help="paper: the paper's victims in <data-root>/dia-victims (fetched on first use); builtin: "
+                          "victims from a client's partition; "
                           "federated: the curious server's captures of a one-round Flower simulation")
     exp.add_argument("--data-root", default="data", help="dataset folder for builtin victims and federated training")
     exp.add_argument("--no-accuracy", action="store_true", help="skip the federated training of Table 1's accuracy column")
@@ -175,8 +179,14 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         value = getattr(args, arg)
         if value is not None:
             victims[key] = value
+    paper = getattr(args, "paper_victims", False)
+    if args.victim_file and paper:
+        raise ConfigError("--victim-file and --paper-victims exclude each other: give one")
     if args.victim_file:
         victims["source"], victims["file"] = "file", args.victim_file
+    if paper:
+        victims["source"] = "paper"
+        victims.pop("file", None)
     if args.captures:
         victims["source"], victims["captures"] = "captures", args.captures
     data = dict(data, victims=victims)

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from fedsim.data import PAPER_VICTIMS
 from fedsim.models import ModelSpec, ModelSpecError
 from fedsim.client_step import LocalPlan, LocalPlanError
 from fedsim.run_config import DEFAULTS, RunConfigError, from_run_config, resolve_config, to_run_config
@@ -28,9 +29,14 @@ class ConfigError(ValueError):
 _FED = from_run_config(DEFAULTS)
 
 
+VICTIM_SOURCES = ("builtin", "paper", "file", "captures")
+
+
 @dataclass
 class VictimConfig:
-    source: str = "builtin"  # builtin: a client's partition; file: a victim file; captures: a federated run
+    # builtin: a client's partition; paper: the paper's victims of `dataset` (fetched on first use);
+    # file: a victim file; captures: a federated run
+    source: str = "builtin"
     model: str = _FED["model"]
     dataset: str = _FED["dataset"]
     p: float = _FED["p"]
@@ -118,8 +124,11 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         _expect(victims["p"], (int, float), "victims.p")
     cfg = RunConfig(victims=VictimConfig(**victims), **{k: v for k, v in data.items() if k != "victims"})
     v = cfg.victims
-    if v.source not in ("builtin", "file", "captures"):
-        raise ConfigError(f"victims.source must be 'builtin', 'file' or 'captures', got {v.source!r}")
+    if v.source not in VICTIM_SOURCES:
+        raise ConfigError(f"victims.source must be one of {', '.join(VICTIM_SOURCES)}, got {v.source!r}")
+    if v.source == "paper" and v.dataset not in PAPER_VICTIMS:
+        raise ConfigError(f"victims.source 'paper' needs a dataset with the paper's victims "
+                          f"({', '.join(PAPER_VICTIMS)}), got {v.dataset!r}")
     if v.source == "file" and not v.file:
         raise ConfigError("victims.file is required when victims.source is 'file'")
     if v.source == "captures" and not v.captures:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from fedsim.data import load_dataset, load_victim_file, partition_iid, sample_victims
+from fedsim.data import load_dataset, load_victim_file, paper_victims, partition_iid, sample_victims
 
 from .attacks import AttackConfig
 from .captures import capture_paths, jobs_from_captures
@@ -30,23 +30,24 @@ class RunDirError(ValueError):
     """The output folder cannot take this run (it holds a finished run)."""
 
 
-def build_victims(cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def build_victims(cfg: RunConfig, log: Callable[[str], Any] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     v = cfg.victims
     spec = cfg.model_spec()
     channels = spec.input_shape[0]
-    if v.source == "file":
-        inputs, targets = load_victim_file(v.file)  # type: ignore[arg-type]
+    if v.source in ("file", "paper"):
+        path = v.file if v.source == "file" else paper_victims(v.dataset, v.data_root, log=log)
+        inputs, targets = load_victim_file(path)  # type: ignore[arg-type]
         if inputs.shape[1] == 1 and channels == 3:
             inputs = inputs.repeat(1, 3, 1, 1)  # the paper feeds MNIST to the CNNs as 3 channels
         if tuple(inputs.shape[1:]) != tuple(spec.input_shape):
             raise ConfigError(
-                f"victim file {v.file} holds images of shape {tuple(inputs.shape[1:])}, but {spec.name} on "
+                f"victim file {path} holds images of shape {tuple(inputs.shape[1:])}, but {spec.name} on "
                 f"{spec.dataset} takes {tuple(spec.input_shape)}"
             )
         if inputs.shape[0] < v.count:
-            raise ConfigError(f"victim file {v.file} holds {inputs.shape[0]} images, fewer than victims.count={v.count}")
+            raise ConfigError(f"victim file {path} holds {inputs.shape[0]} images, fewer than victims.count={v.count}")
         if int(targets.max()) >= spec.num_classes:
-            raise ConfigError(f"victim file {v.file} has labels up to {int(targets.max())}, the model has {spec.num_classes} classes")
+            raise ConfigError(f"victim file {path} has labels up to {int(targets.max())}, the model has {spec.num_classes} classes")
         b = v.victim_batch_size
         return [(inputs[i : i + b], targets[i : i + b]) for i in range(0, v.count, b)]
     dataset = load_dataset(v.dataset, v.data_root, train=True, channels=channels)
@@ -91,7 +92,7 @@ def load_jobs(
         if any(o is None for o in oracles):
             log("no oracle (the run was not audited): WIIG is skipped and only losses are reported")
         return jobs, oracles
-    batches = build_victims(cfg)
+    batches = build_victims(cfg, log)
     jobs, images_oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed, plan=cfg.local_plan())
     return apply_label_policy(jobs, cfg.labels), list(images_oracles)
 

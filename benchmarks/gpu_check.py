@@ -43,11 +43,12 @@ def check_cpu_equals_gpu() -> None:
 
 
 def attack_end_to_end(model: str, victims: int, attacks: list[str], iterations: int) -> int:
-    """One ``attacker run`` on the GPU (MNIST: the paper's victims where ../shared is beside the
-    checkout, else the offline sample), with its wall time and CUDA peak memory."""
+    """One ``attacker run`` on the GPU (MNIST: the paper's victims where `make victims` put them in the
+    data folder, else the offline sample), with its wall time and CUDA peak memory."""
     from attacker.cli import main as attacker_main
+    from fedsim.data import paper_victims_path
 
-    victim_file = HERE.parents[1] / "shared" / "data" / "dia-victims" / "MNIST_128.tdump"  # the paper's victims
+    victim_file = paper_victims_path("mnist", HERE.parent / "data")  # the paper's victims
     source = ["--victim-file", str(victim_file)] if victim_file.is_file() else []
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["run", "--model", model, "--dataset", "mnist", "--p", "0.25", "--victims", str(victims), *source,

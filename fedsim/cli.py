@@ -320,6 +320,24 @@ def cmd_deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_victims(args: argparse.Namespace) -> int:
+    """Fetch (or verify) the paper's victim sets: one line per set, exit 2 when any failed."""
+    from fedsim.data import PAPER_VICTIMS, VictimFileError, paper_victims
+
+    failed = 0
+    for dataset in args.datasets or sorted(PAPER_VICTIMS):
+        try:
+            path = paper_victims(dataset, args.data_root, allow_download=True, base_url=args.url,
+                                 timeout_s=args.timeout,
+                                 log=lambda line: console.print(line, highlight=False, soft_wrap=True))
+        except VictimFileError as err:
+            console.print(f"[bold red]error:[/bold red] {err}", highlight=False, soft_wrap=True)
+            failed += 1
+            continue
+        console.print(f"{dataset}: {path} (sha256 verified)", highlight=False, soft_wrap=True)
+    return 2 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -351,6 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     caps = sub.add_parser("captures", help="list the captures of a run folder")
     caps.add_argument("run_dir")
     caps.set_defaults(func=cmd_captures)
+
+    vic = sub.add_parser("victims", help="fetch the paper's victim images (pinned SHA-256) into the data folder")
+    vic.add_argument("--data-root", default="data", help="data folder; the files go to DATA_ROOT/dia-victims (default: data)")
+    vic.add_argument("--datasets", nargs="+", metavar="NAME", help="mnist, cifar10 (default: both)")
+    vic.add_argument("--url", help="base URL of a mirror holding the same file names (default: $DLA_VICTIMS_URL, "
+                     "else the authors' repository)")
+    vic.add_argument("--timeout", type=float, default=20.0, help="seconds per file (default 20)")
+    vic.set_defaults(func=cmd_victims)
     return parser
 
 

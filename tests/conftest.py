@@ -1,11 +1,28 @@
 import logging
+import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+# The tests never reach the network for the paper's victims (subprocesses inherit this); the fetch's
+# own tests serve the file from a loopback server and turn it back on.
+os.environ["DLA_OFFLINE"] = "1"
+
+
+def paper_victims_or_skip(dataset: str) -> Path:
+    """The paper's victims of ``dataset`` from the project's data folder (where `make victims` puts
+    them, or CI copies them), verified; the test is skipped with the reason when they are absent."""
+    from fedsim.data import paper_victims, paper_victims_path
+    from fedsim.data.datasets import VictimFileError
+
+    try:
+        return paper_victims(dataset, ROOT / "data", allow_download=False)
+    except VictimFileError:
+        pytest.skip(f"the paper's {dataset} victims are not in {paper_victims_path(dataset, ROOT / 'data')} "
+                    f"(run `make victims`)")
 
 
 @pytest.fixture(autouse=True)

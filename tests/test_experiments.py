@@ -26,7 +26,7 @@ def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypat
     # The paper victims need not be present: point the lookup at a stand-in file.
     stand_in = tmp_path / "victims.tdump"
     stand_in.write_bytes(b"")
-    monkeypatch.setattr(ex.spec, "_resolve_victim_file", lambda dataset: stand_in if dataset in ex.PAPER_VICTIMS else None)
+    monkeypatch.setattr(ex.spec, "_resolve_victim_file", lambda dataset, data_root: stand_in)
     exp = ex.load_experiment(path)
     assert exp.name == path.stem
     settings = ex.Settings(victim_source=source, include_optional=True)
@@ -61,14 +61,14 @@ def test_paper_values_spot_checks() -> None:
     assert exps["fig5a"].attack_overrides == {"lambda_mask": 0.0}  # sec. 5.1 precedes the regularizer
 
 
-def test_victims_round_up_to_batches_and_missing_paper_victims(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_victims_round_up_to_batches_and_missing_paper_victims(tmp_path: Path) -> None:
     exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "fig5a"))
     cell = next(c for c in exp.cells if c.B == 16)
     cfg = ex.build_cell_config(exp, cell, ex.Settings(victims=3, victim_source="builtin"))
     assert cfg.victims.count == 16
-    monkeypatch.setattr(ex.spec, "_resolve_victim_file", lambda dataset: None)
-    with pytest.raises(ex.ExperimentError, match="--victim-source builtin"):
-        ex.build_cell_config(exp, cell, ex.Settings())
+    # the paper's victims absent and downloads off: one line naming the file, how to get it, and the way out
+    with pytest.raises(ex.ExperimentError, match=r"dia-victims/MNIST_128\.tdump.*make victims.*--victim-source builtin"):
+        ex.build_cell_config(exp, cell, ex.Settings(data_root=str(tmp_path)))
 
 
 def test_cell_filter() -> None:

@@ -11,16 +11,12 @@ from typing import Any
 
 import yaml
 
+from fedsim.data import PAPER_VICTIMS, VictimFileError, paper_victims
 from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config, to_run_config
 from fedsim.task import local_plan
 
 from ..config import ConfigError, RunConfig, parse_config
 
-PAPER_VICTIMS = {
-    "mnist": "../shared/data/dia-victims/MNIST_128.tdump",
-    "cifar10": "../shared/data/dia-victims/CIFAR10_128.tdump",
-}
-REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT_KEYS = {"name", "title", "source", "victims", "attack_overrides", "metrics", "accuracy", "figures", "cells"}
 CELL_KEYS = {"id", "model", "dataset", "p", "victim_batch_size", "attacks", "overrides", "model_options", "victims", "optional", "paper",
              "federation"}
@@ -206,15 +202,9 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
                       dict(data.get("attack_overrides") or {}), metrics, accuracy, figures, cells, path)
 
 
-def _resolve_victim_file(dataset: str) -> Path | None:
-    rel = PAPER_VICTIMS.get(dataset)
-    if rel is None:
-        return None
-    for base in (Path.cwd(), REPO_ROOT):
-        candidate = base / rel
-        if candidate.is_file():
-            return candidate
-    return None
+def _resolve_victim_file(dataset: str, data_root: str) -> Path:
+    """The paper's victims of ``dataset`` under the data folder, fetched on first use (one line if not)."""
+    return paper_victims(dataset, data_root, log=print).resolve()
 
 
 def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, Any]:
@@ -222,19 +212,17 @@ def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, An
     victims: dict[str, Any] = {"source": "builtin", "count": 128, "data_root": settings.data_root}
     victims.update(exp.victims)
     victims.update(cell.victims)
-    if settings.victim_source == "paper" and "source" not in cell.victims:
-        path = _resolve_victim_file(cell.dataset)
-        if cell.dataset in PAPER_VICTIMS:
-            if path is None:
-                raise ExperimentError(
-                    f"cell {cell.key}: the paper's {cell.dataset} victims ({PAPER_VICTIMS[cell.dataset]}, relative to the "
-                    f"repository root) are not there; use --victim-source builtin")
-            victims["source"], victims["file"] = "file", str(path)
-    elif settings.victim_source == "builtin":
-        victims["source"] = "builtin"
-        victims.pop("file", None)
     if settings.victim_source == "federated" or cell.federation:  # a cell with its own federation: always
         victims["source"], victims["captures"] = "captures", str(Path(settings.federation_dir) / cell.key)
+        victims.pop("file", None)
+    elif settings.victim_source == "paper" and "source" not in cell.victims and cell.dataset in PAPER_VICTIMS:
+        try:
+            path = _resolve_victim_file(cell.dataset, settings.data_root)
+        except VictimFileError as err:
+            raise ExperimentError(f"cell {cell.key}: {err}; or use --victim-source builtin") from None
+        victims["source"], victims["file"] = "file", str(path)
+    elif settings.victim_source == "builtin":
+        victims["source"] = "builtin"
         victims.pop("file", None)
     count = settings.victims if settings.victims is not None else int(victims.get("count", 128))
     victims["count"] = max(cell.B, math.ceil(count / cell.B) * cell.B)

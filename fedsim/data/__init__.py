@@ -1,5 +1,5 @@
 """Data for the leakage audit: dataset specs and normalization, loading (with real offline
-fallbacks), client partitions, victim sampling and the paper's victim files."""
+fallbacks), client partitions, victim sampling and the paper's victim files (fetched by URL, hash-pinned)."""
 
 from .datasets import (
     DataUnavailableError,
@@ -25,6 +25,7 @@ from .normalization import (
     get_spec,
     normalize,
 )
+from .victim_sets import PAPER_VICTIMS, paper_victims, paper_victims_path
 from .partition import partition_dirichlet, partition_iid, sample_victims
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "IMAGENET_STD",
     "MNIST_MEAN",
     "MNIST_STD",
+    "PAPER_VICTIMS",
     "DataUnavailableError",
     "DatasetSpec",
     "ImageTensorDataset",
@@ -47,6 +49,8 @@ __all__ = [
     "load_dataset",
     "load_victim_file",
     "normalize",
+    "paper_victims",
+    "paper_victims_path",
     "partition_dirichlet",
     "partition_iid",
     "sample_victims",
