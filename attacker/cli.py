@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
             overrides = {"max_iterations": args.iterations} if args.iterations else {}
             result = run_story(out, attack_overrides=overrides, lpips=not args.no_lpips, data_root=args.data_root or "data",
-                               device=args.device or "auto", progress=not args.quiet, log=lambda m: console.print(m),
-                               num_clients=args.victims, capture_kind=args.capture_kind)
+                               # a bar only on a terminal: piped to a file its last frame is left as clutter
+                               device=args.device or "auto", progress=not args.quiet and console.is_terminal,
+                               log=lambda m: console.print(m), num_clients=args.victims, capture_kind=args.capture_kind)
             _print_summary(result)
             console.print(f"main job report: [bold]{out / 'report.md'}[/bold]")
             return 0

@@ -73,7 +73,7 @@ def run_story(
             cfg["num-clients"] = num_clients
         log(f"federated training: {cfg['model']}/{cfg['dataset']}, p = {cfg['p']}, {cfg['num-clients']} clients, "
             f"{cfg['num-server-rounds']} rounds; the curious server captures round {cfg['capture-rounds']}")
-        run_simulation_job(cfg)
+        run_simulation_job(cfg, quiet=True)  # the accuracy per round is printed below; Flower's warnings stay
     rounds = list(csv.DictReader((fed_dir / "rounds.csv").read_text().splitlines()))
     for row in rounds:
         log(f"  round {row['round']}: test accuracy {100 * float(row['accuracy']):.2f} %"
