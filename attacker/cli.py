@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "demo":
             data: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEMO.items()}
-        elif args.config:
+        elif getattr(args, "config", None):  # only `run` takes a config file; `watch` has none
             data = load_config(args.config).to_dict()
         else:
             data = {}

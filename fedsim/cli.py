@@ -17,7 +17,8 @@ from typing import Any  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-console = Console()
+# A wide console when piped (CI logs, files) so tables are not squeezed to 80 columns.
+console = Console() if sys.stdout.isatty() else Console(width=160)
 
 # Extra option strings for a few run config keys (the flag is always "--" + the key).
 ALIASES: dict[str, tuple[str, ...]] = {"num-server-rounds": ("--rounds",), "num-clients": ("--clients",)}
