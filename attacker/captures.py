@@ -118,10 +118,10 @@ def jobs_from_captures(
                 # image the client used i-th (its first epoch); for in-order batches that is the same.
                 labels = capture.step_labels[:count].long()
             job = VictimJob(job_id, capture.spec, weights, shared, labels, "known", meta, plan,
-                            match_support=defense.name == "prune", step_labels=capture.step_labels)
+                            match_support=defense.match_support, step_labels=capture.step_labels)
         else:
             job = VictimJob(job_id, capture.spec, weights, shared, torch.zeros(count, dtype=torch.long), "recovered",
-                            meta, plan, match_support=defense.name == "prune")
+                            meta, plan, match_support=defense.match_support)
             # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
             job.labels = recover_labels(model_from_job(job), shared, count)
         oracle = None

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import Tensor
 
+from fedsim.models import model_family
+
 from .gradients import MatchTerms
 
 EPS = 1e-8
@@ -98,7 +100,7 @@ def position_embedding_term(inputs: TermInputs) -> Tensor:
     return param_cosine_distance(inputs.match, "pos_embedding")
 
 
-@term("tv_weight", default=lambda model: 1e-2 if model in ("lenet", "resnet18") else 1e-5)
+@term("tv_weight", default=lambda model: model_family(model).tv_weight)
 def total_variation_term(inputs: TermInputs) -> Tensor:
     return total_variation(inputs.images, inputs.num_jobs)
 

@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +17,7 @@ from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from fedsim.atomic import atomic_path
+from fedsim.models import model_family
 
 from .attacks import AttackConfig
 from .curves import SSIMCurve
@@ -72,22 +75,27 @@ def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
     return list(groups.values())
 
 
-# Jobs per batched optimization, by device. CPU: beyond these, throughput stops growing while memory
-# keeps growing (measured on 2 cores: ViT/CIFAR-10 41-43 victim-it/s at V = 8-32, 25 and 7.0 GB at
-# V = 128). GPU (an H200, `make gpu-check` and README's GPU table): a ViT iteration takes about the
-# same 62-71 ms from V = 1 to V = 128 (kernel launches, not arithmetic, bound it; 4.7 GB at 128) and
-# a ResNet-18 one 53 ms at V = 16, 78-82 ms at V = 64 (4.7 GB), so both batch more jobs there; the
-# ViT-B/16 stays at one job until measured on a GPU.
-GROUP_CAPS = {
-    "cpu": {"vit": 16, "vit_b16": 1, "resnet18": 16},
-    "gpu": {"vit": 128, "vit_b16": 1, "resnet18": 64},
-}
+@contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Lightning's INFO and warnings about a Trainer the user never configured (the accelerator it
+    found, tips about its cloud products, its checkpoint loading) are noise in a report or a notebook:
+    only its errors pass while the engine runs. Lightning sets its loggers' levels on import, so this
+    acts at run time rather than once."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
-def group_caps(accelerator: str) -> dict[str, int]:
-    """The caps for the device Lightning will pick for ``accelerator`` ("auto": a GPU when there is one)."""
+def device_kind(accelerator: str) -> str:
+    """"gpu" or "cpu": the device Lightning will pick for ``accelerator`` ("auto": a GPU when there is one)."""
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return GROUP_CAPS["gpu" if on_gpu else "cpu"]
+    return "gpu" if on_gpu else "cpu"
 
 
 def run_jobs(
@@ -110,9 +118,10 @@ def run_jobs(
     run_dir = Path(run_dir)
     results: list[JobResult | None] = [None] * len(jobs)
     groups = []
-    caps = group_caps(accelerator)
+    kind = device_kind(accelerator)
     for group in group_jobs(jobs):
-        cap = min(max_jobs_per_group, caps.get(jobs[group[0]].spec.name, max_jobs_per_group))
+        # each model family's own cap on this device (fedsim.models.MODELS), within the run's
+        cap = min(max_jobs_per_group, model_family(jobs[group[0]].spec.name).group_caps.get(kind, max_jobs_per_group))
         for start in range(0, len(group), cap):
             groups.append(group[start : start + cap])
     # BatchNorm models cannot batch jobs: split them into single-job groups.
@@ -137,25 +146,26 @@ def run_jobs(
             callbacks.append(curve)
         if progress:
             callbacks.append(RichProgressBar())
-        trainer = L.Trainer(
-            max_epochs=math.ceil(max_iterations / checkpoint_every),
-            accelerator=accelerator,
-            devices=1,
-            logger=CSVLogger(run_dir, name="logs", version=f"group{g:03d}"),
-            callbacks=callbacks,
-            enable_model_summary=False,
-            enable_progress_bar=progress,
-            log_every_n_steps=min(50, checkpoint_every),
-            inference_mode=False,
-            num_sanity_val_steps=0,
-        )
-        if last.exists():
-            _check_checkpoint(last)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-            warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
-            # weights_only: a checkpoint is read as tensors and plain data, never as arbitrary pickles.
-            trainer.fit(module, ckpt_path=str(last) if last.exists() else None, weights_only=True)
+        with quiet_lightning():
+            trainer = L.Trainer(
+                max_epochs=math.ceil(max_iterations / checkpoint_every),
+                accelerator=accelerator,
+                devices=1,
+                logger=CSVLogger(run_dir, name="logs", version=f"group{g:03d}"),
+                callbacks=callbacks,
+                enable_model_summary=False,
+                enable_progress_bar=progress,
+                log_every_n_steps=min(50, checkpoint_every),
+                inference_mode=False,
+                num_sanity_val_steps=0,
+            )
+            if last.exists():
+                _check_checkpoint(last)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+                warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
+                # weights_only: a checkpoint is read as tensors and plain data, never as arbitrary pickles.
+                trainer.fit(module, ckpt_path=str(last) if last.exists() else None, weights_only=True)
         for k, (i, result) in enumerate(zip(group, module.results())):
             if curve is not None:
                 result.ssim_curve = list(curve.points[k])

@@ -76,7 +76,7 @@ def main() -> int:
     bench(["--device", "cuda", "--models", "mlp", "--jobs", "1", "128", "512", "2048", "--iterations", "20"])
     bench(["--device", "cuda", "--models", "vit", "--jobs", "1", "16", "64", "128", "--iterations", "10"])
     rc_mlp = attack_end_to_end("mlp", 16, ["ig_eval", "wiig", "dia"], 2000)
-    rc_vit = attack_end_to_end("vit", 128, ["dia"], 1000)  # one group of 128 on a GPU (runner.GROUP_CAPS)
+    rc_vit = attack_end_to_end("vit", 128, ["dia"], 1000)  # one group of 128 on a GPU (the ViT's group_caps in fedsim.models.MODELS)
     return rc_mlp or rc_vit
 
 

@@ -21,7 +21,8 @@ reaches it, i.e. after the client's mods and, for server-side clipping, after th
 * prune: the pruned update (the attacker knows which entries survived: the nonzero ones).
 
 Adding a defense: one :class:`Defense` entry in :data:`DEFENSES` (its client mods and/or strategy
-wrapper, built from the run config), and the settings it reads in ``fedsim.run_config.SCHEMA``.
+wrapper, built from the run config; what the attacker adapts; its accountant and frontier fields),
+and any new setting it reads in ``fedsim.run_config.SCHEMA``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ class Defense:
     noise_multiplier: Callable[[Mapping[str, Any]], float] | None = None
     # Whose guarantee the accountant states: "client" (local: each client's own updates) or "federation".
     accounted: str = ""
+    # The (epsilon) each round guarantees by construction, stated beside the composed one; None: none.
+    per_round_epsilon: Callable[[Mapping[str, Any]], float] | None = None
+    # The attacker's adaptation in data: match only the update's surviving (nonzero) entries.
+    match_support: bool = False
+    # On the privacy-utility frontier: the family's label, the run-config setting that is its
+    # strength (None: no knob), that setting's short name, and whether a smaller value is stronger.
+    family: str = ""
+    level: str | None = None
+    level_name: str = ""
+    stronger_when_smaller: bool = False
 
 
 def _no_mods(cfg: Mapping[str, Any]) -> list[Any]:
@@ -107,24 +118,29 @@ _CENTRAL_CAPTURE = ("the client's clipped update, without noise: central DP adds
 DEFENSES: dict[str, Defense] = {
     d.name: d
     for d in (
-        Defense("none", "no defense", _no_mods, None, "the client's update as sent", "none"),
+        Defense("none", "no defense", _no_mods, None, "the client's update as sent", "none", family="no defense"),
         Defense("local-dp", "Flower's LocalDpMod on the client: clip to clip-norm, add Gaussian noise for "
                 "(dp-epsilon, dp-delta)", _local_dp_mods, None, "the client's clipped and noised update",
                 "none: the noised update is attacked as is", needs_float_state=True,
-                noise_multiplier=_local_dp_multiplier, accounted="client"),
+                noise_multiplier=_local_dp_multiplier, accounted="client",
+                per_round_epsilon=lambda cfg: float(cfg["dp-epsilon"]), family="local DP (LocalDpMod)",
+                level="dp-epsilon", level_name="ε/round", stronger_when_smaller=True),
         Defense("central-dp-client-clipping", "Flower's fixedclipping_mod on the client and "
                 "DifferentialPrivacyClientSideFixedClipping around the strategy (noise-multiplier, clip-norm)",
                 _fixed_clipping_mods, _wrap_client_clipping, _CENTRAL_CAPTURE,
                 "none needed: clipping scales the update, which the cosine distance ignores",
-                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation"),
+                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation",
+                family="central DP, client clipping", level="noise-multiplier", level_name="z"),
         Defense("central-dp-server-clipping", "DifferentialPrivacyServerSideFixedClipping around the strategy "
                 "(noise-multiplier, clip-norm)", _no_mods, _wrap_server_clipping, _CENTRAL_CAPTURE,
                 "none needed: clipping scales the update, which the cosine distance ignores",
-                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation"),
+                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation",
+                family="central DP, server clipping", level="noise-multiplier", level_name="z"),
         Defense("prune", "keep the prune-fraction largest entries (by magnitude) of each tensor of the update",
                 _prune_mods, None, "the client's pruned update",
                 "only the surviving (nonzero) entries are matched: the dummy's gradient or replayed update is "
-                "cut to them (VictimJob.match_support)"),
+                "cut to them (VictimJob.match_support)", match_support=True, family="pruning",
+                level="prune-fraction", level_name="keep", stronger_when_smaller=True),
     )
 }
 
@@ -178,8 +194,8 @@ def privacy_spent(cfg: Mapping[str, Any], rounds: int, sampled: int, population:
     z = defense.noise_multiplier(cfg)
     out: dict[str, Any] = {"defense": defense.name, "noise_multiplier": z, "rounds": rounds, "delta": delta,
                            "guarantee": defense.accounted, "accountant": "flwr RdpAccountant (no amplification)"}
-    if defense.name == "local-dp":
-        out["per_round"] = {"epsilon": float(cfg["dp-epsilon"]), "delta": delta}
+    if defense.per_round_epsilon is not None:
+        out["per_round"] = {"epsilon": defense.per_round_epsilon(cfg), "delta": delta}
     try:
         from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
                                                        SamplingMethod)

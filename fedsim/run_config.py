@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,7 @@ class Setting:
     key: str
     default: Any
     help: str
-    choices: tuple[str, ...] | None = None
+    choices: Collection[str] | None = None  # a live view (a table's keys) follows entries added later
     range: Range | None = None
     check: Callable[[Any], None] | None = None  # format check of a str value; raises RunConfigError
     group: str = ""
@@ -185,7 +185,7 @@ SCHEMA: tuple[Setting, ...] = (
             "the partition's order", choices=BATCH_ORDERS, group="local training"),
     # defenses: Flower client mods and strategy wrappers (fedsim.defenses)
     Setting("defense", "none", "defense of the clients' updates: " + "; ".join(f"{d.name}: {d.help}"
-            for d in DEFENSES.values()), choices=tuple(DEFENSES), group="defense"),
+            for d in DEFENSES.values()), choices=DEFENSES.keys(), group="defense"),
     Setting("clip-norm", 1.0, "DP defenses: L2 clipping norm of each client's update (local DP: also its "
             "sensitivity)", range=_POSITIVE, group="defense"),
     Setting("noise-multiplier", 1.0, "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * "

@@ -16,7 +16,7 @@ from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan
 from fedsim.data import dataset_labels, load_dataset, partition_dirichlet, partition_iid, sample_victims
 from fedsim.defenses import DEFENSES, check_run
 from fedsim.models import ModelSpec, build_model, set_dropout_mode
-from fedsim.models.registry import THREE_CHANNEL_MODELS
+from fedsim.models.registry import model_family
 from fedsim.run_config import RunConfigError, model_options
 
 
@@ -48,7 +48,7 @@ def _dataset(name: str, root: str, train: bool, channels: int | None, download: 
 
 
 def load_split(cfg: Mapping[str, Any], train: bool) -> Dataset:
-    channels = 3 if cfg["model"] in THREE_CHANNEL_MODELS and cfg["dataset"] == "mnist" else None
+    channels = 3 if model_family(cfg["model"]).three_channel and cfg["dataset"] == "mnist" else None
     return _dataset(cfg["dataset"], str(cfg["data-root"]), train, channels, bool(cfg["download"]))
 
 

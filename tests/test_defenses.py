@@ -252,3 +252,45 @@ def test_deployment_applies_the_prune_mod(base: dict[str, Any], tmp_path: Path) 
     assert result.ok, (result, dep.log_tail("flwr-run"))
     found = _norms_and_density(run_dir)
     assert len(found) == 2 and all(d == "prune" and 0 < density <= 0.11 for d, _, density in found), found
+
+
+def _halve_mods(cfg: Any) -> list[Any]:
+    """A toy defense's one client mod: send half the update (global - (global - local) / 2)."""
+    from flwr.app import Array
+
+    def halve(msg: Message, context: Any, call_next: Any) -> Message:
+        sent = msg.content["arrays"].to_numpy_ndarrays()
+        reply = call_next(msg, context)
+        record = reply.content["arrays"]
+        reply.content["arrays"] = ArrayRecord({key: Array(np.ascontiguousarray(start - (start - local) / 2))
+                                               for key, local, start in zip(record.keys(), record.to_numpy_ndarrays(),
+                                                                            sent, strict=True)})
+        return reply
+
+    return [halve]
+
+
+def test_a_defense_is_one_table_entry(base: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A new defense added only as a `Defense` in `DEFENSES`: the run config takes its name, the
+    ClientApp runs its mod, the capture names it, and a one-iteration attack reports its adaptation."""
+    from attacker.cli import main as attacker_main
+    from fedsim.capture import save_capture
+
+    calls: list[int] = []
+    toy = defenses.Defense("halve", "send half the update", lambda c: calls.append(1) or _halve_mods(c), None,
+                           "half the client's update",
+                           "none needed: a scaled update has the same cosine distance", family="halving")
+    monkeypatch.setitem(defenses.DEFENSES, "halve", toy)
+    cfg = resolve_config(dict(base, defense="halve"))
+    inner, *_ = _federated_round(cfg, "gradient", monkeypatch)
+    assert len(calls) == 2  # the ClientApp of each client ran the defense's mods
+    assert [c.defense for c in inner.captures] == ["halve", "halve"]
+    run = tmp_path / "fed"
+    for capture in inner.captures:
+        save_capture(run / "captures", capture)
+    out = tmp_path / "attack"
+    code = attacker_main(["run", "--captures", str(run), "--attacks", "dia", "--iterations", "1", "--no-lpips",
+                          "--quiet", "--out", str(out)])
+    assert code == 0, capsys.readouterr().out
+    assert f"the attack's adaptation: {toy.adaptation}." in (out / "report.md").read_text()

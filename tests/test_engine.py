@@ -229,11 +229,13 @@ def test_the_ssim_curve_survives_a_resume(mnist_like, tmp_path):
 
 
 def test_group_caps_follow_the_device_lightning_will_pick(monkeypatch):
-    from attacker.runner import GROUP_CAPS, group_caps
+    from attacker.runner import device_kind
+    from fedsim.models import MODELS
 
-    assert group_caps("cpu") is GROUP_CAPS["cpu"] and group_caps("gpu") is GROUP_CAPS["gpu"]
+    assert device_kind("cpu") == "cpu" and device_kind("gpu") == device_kind("cuda") == "gpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert group_caps("auto") is GROUP_CAPS["cpu"]
+    assert device_kind("auto") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert group_caps("auto") is GROUP_CAPS["gpu"]
-    assert GROUP_CAPS["gpu"]["vit"] > GROUP_CAPS["cpu"]["vit"]  # measured: flat ms/iteration on a GPU
+    assert device_kind("auto") == "gpu"
+    caps = MODELS["vit"].group_caps
+    assert caps["gpu"] > caps["cpu"]  # measured: flat ms/iteration on a GPU

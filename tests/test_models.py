@@ -1,5 +1,7 @@
 """Models, registry, seeding and the paper's Parameters check."""
 
+import json
+
 import pytest
 import torch
 
@@ -101,3 +103,28 @@ def test_spec_round_trip():
     assert ModelSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ModelSpecError, match="unknown model spec keys"):
         ModelSpec.from_dict({**spec.to_dict(), "extra": 1})
+
+
+def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    """A new model added only as a `ModelFamily` in `MODELS`: the run config and the attacker take its
+    name, its TV default and its group cap apply, and a one-iteration DIA attack runs on it."""
+    from torch import nn
+
+    from attacker.cli import main as attacker_main
+    from attacker.objectives import term_weight
+    from attacker.attacks import make_attack
+    from fedsim.models import MODELS, MaskedDropout, ModelFamily
+
+    def construct(spec, channels, size, classes, options):
+        return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 16), nn.ReLU(), MaskedDropout(spec.p),
+                             nn.Linear(16, classes))
+
+    monkeypatch.setitem(MODELS, "toy", ModelFamily("toy", construct, tv_weight=0.5, group_caps={"cpu": 1, "gpu": 1}))
+    assert term_weight(make_attack("dia"), "tv_weight", "toy") == 0.5
+    out = tmp_path / "run"
+    code = attacker_main(["run", "--model", "toy", "--dataset", "mnist", "--victims", "2", "--attacks", "dia",
+                          "--iterations", "1", "--no-lpips", "--quiet", "--device", "cpu", "--out", str(out)])
+    assert code == 0, capsys.readouterr().out
+    rows = json.loads((out / "metrics.json").read_text())
+    assert [r["model"] for r in rows] == ["toy", "toy"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["group000", "group001"]  # its cap: 1 job a group

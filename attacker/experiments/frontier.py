@@ -10,31 +10,23 @@ from pathlib import Path
 from typing import Any
 
 from fedsim.atomic import atomic_write
-from fedsim.defenses import privacy_spent
-from fedsim.run_config import resolve_config
+from fedsim.defenses import DEFENSES, privacy_spent
+from fedsim.run_config import resolve_config, to_run_config
 
 from ..report import figure_png
 from .spec import Cell
-
-# family name on the figure, and the federation setting that is its strength (None: no knob)
-FAMILIES: dict[str, tuple[str, str | None]] = {
-    "none": ("no defense", None),
-    "local-dp": ("local DP (LocalDpMod)", "dp_epsilon"),
-    "central-dp-client-clipping": ("central DP, client clipping", "noise_multiplier"),
-    "central-dp-server-clipping": ("central DP, server clipping", "noise_multiplier"),
-    "prune": ("pruning", "prune_fraction"),
-}
-_LEVEL_NAMES = {"dp_epsilon": "ε/round", "noise_multiplier": "z", "prune_fraction": "keep"}
-
 
 def defense_fields(out: Path, cell: Cell) -> dict[str, Any]:
     """The defense columns of a cell's rows (empty for a cell without its own federation)."""
     if not cell.federation:
         return {}
-    name = str(cell.federation.get("defense", "none"))
-    knob = FAMILIES.get(name, (name, None))[1]
-    fields: dict[str, Any] = {"defense": name, "defense_level": cell.federation.get(knob) if knob else None,
-                              "defense_knob": _LEVEL_NAMES.get(knob or "", ""), "epsilon": None, "delta": None}
+    settings = to_run_config(cell.federation)
+    name = str(settings.get("defense", "none"))
+    defense = DEFENSES.get(name)
+    level = defense.level if defense is not None else None
+    fields: dict[str, Any] = {"defense": name, "defense_level": settings.get(level) if level else None,
+                              "defense_knob": defense.level_name if defense is not None else "",
+                              "epsilon": None, "delta": None}
     fed = out / "federations" / cell.key
     try:
         cfg = json.loads((fed / "config.json").read_text())
@@ -85,15 +77,15 @@ def frontier_figure(rows: list[dict[str, Any]], path: Path, attack: str = "dia")
         if alone:
             ax.plot([r["accuracy_final"] for r in alone], [r["ssim_paper_mean"] for r in alone], color="black", lw=2,
                     label="dropout alone (p ↑)")
-        for i, family in enumerate(f for f in FAMILIES if f != "none"):
+        for i, defense in enumerate(d for d in DEFENSES.values() if d.level is not None):
             color = f"C{i}"
-            for p in sorted({r["p"] for r in prow if r["defense"] == family}):
-                pts = sorted((r for r in prow if r["defense"] == family and r["p"] == p),
-                             key=lambda r: r["defense_level"], reverse=family == "local-dp")  # weakest first
+            for p in sorted({r["p"] for r in prow if r["defense"] == defense.name}):
+                pts = sorted((r for r in prow if r["defense"] == defense.name and r["p"] == p),
+                             key=lambda r: r["defense_level"], reverse=defense.stronger_when_smaller)  # weakest first
                 pts = ([base[p]] if p in base else []) + pts
                 ax.plot([r["accuracy_final"] for r in pts], [r["ssim_paper_mean"] for r in pts], color=color,
                         marker=markers.get(p, "x"), ms=5, alpha=0.85,
-                        label=f"{FAMILIES[family][0]}" if p == min(r["p"] for r in prow if r["defense"] == family) else None)
+                        label=defense.family if p == min(r["p"] for r in prow if r["defense"] == defense.name) else None)
                 for r in pts[1:]:
                     ax.annotate(f"{r['defense_level']:g}", (r["accuracy_final"], r["ssim_paper_mean"]), fontsize=6,
                                 xytext=(3, 2), textcoords="offset points", color=color)

@@ -48,7 +48,7 @@ def _run_federation(config: dict[str, Any]) -> Path:
     """Indirection so tests can stand in for the (slow) Ray simulation."""
     from fedsim.simulation import run_simulation_job
 
-    return run_simulation_job(config)
+    return run_simulation_job(config, quiet=True)  # the experiment logs each cell; Flower's warnings stay
 
 
 def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], Any],

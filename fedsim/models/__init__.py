@@ -11,9 +11,11 @@ from .dropout import (
     set_dropout_mode,
     set_masks,
 )
-from .registry import ModelSpec, ModelSpecError, build_model, list_models
+from .registry import MODELS, ModelFamily, ModelSpec, ModelSpecError, build_model, list_models, model_family
 
 __all__ = [
+    "MODELS",
+    "ModelFamily",
     "DropoutMode",
     "MaskedDropout",
     "ModelSpec",
@@ -25,6 +27,7 @@ __all__ = [
     "get_recorded_masks",
     "list_models",
     "mask_shapes",
+    "model_family",
     "set_dropout_mode",
     "set_masks",
 ]

@@ -6,6 +6,7 @@ which model they belong to, and rebuild it bit for bit from its seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,17 +23,6 @@ DATASET_SHAPES: dict[str, tuple[int, int, int]] = {
     "mnist": (1, 28, 10),
     "cifar10": (3, 32, 10),
     "imagenet": (3, 224, 1000),
-}
-
-# The paper feeds MNIST to the CNNs as 3-channel images (its Parameters check; tests/test_models.py).
-THREE_CHANNEL_MODELS = {"lenet", "resnet18"}
-
-MODEL_OPTIONS: dict[str, set[str]] = {
-    "mlp": {"bias", "width", "depth"},
-    "vit": {"patch_size", "dim", "depth", "heads", "dim_head", "mlp_dim"},
-    "vit_b16": set(),
-    "lenet": set(),
-    "resnet18": {"norm"},
 }
 
 VIT_B16 = dict(patch_size=16, dim=768, depth=12, heads=12, dim_head=64, mlp_dim=3072)
@@ -63,7 +53,7 @@ class ModelSpec:
     @property
     def input_shape(self) -> tuple[int, int, int]:
         channels, size, _ = DATASET_SHAPES[self.dataset]
-        if self.name in THREE_CHANNEL_MODELS:
+        if model_family(self.name).three_channel:
             channels = 3
         return (channels, size, size)
 
@@ -72,40 +62,87 @@ class ModelSpec:
         return DATASET_SHAPES[self.dataset][2]
 
 
+def _check_vit(spec: ModelSpec) -> str | None:
+    patch = spec.options.get("patch_size", 4)
+    size = DATASET_SHAPES[spec.dataset][1]
+    return f"vit patch size {patch} does not divide the {spec.dataset} image size {size}" if size % patch else None
+
+
+def _check_vit_b16(spec: ModelSpec) -> str | None:
+    if spec.dataset != "imagenet":
+        return "vit_b16 takes 224x224 ImageNet images; use 'vit' for MNIST and CIFAR-10"
+    return None
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything that depends on which model it is, in one entry: how to build it, what it accepts,
+    and the attack's defaults on it. The federation reads the first part, the attacker the second."""
+
+    name: str
+    # (spec, channels, image size, classes, options) -> the model, built with the spec's dropout rate.
+    construct: Callable[[ModelSpec, int, int, int, dict[str, Any]], nn.Module]
+    options: frozenset[str] = frozenset()
+    # The paper feeds MNIST to the CNNs as 3-channel images (its Parameters check; tests/test_models.py).
+    three_channel: bool = False
+    check: Callable[[ModelSpec], str | None] | None = None  # why a spec cannot be built, or None
+    # The attack's TV weight when the attack config leaves it None (the paper: 1e-2 for the CNNs).
+    tv_weight: float = 1e-5
+    # Jobs per batched optimization by device kind ("cpu", "gpu"); absent: no cap of the model's own.
+    group_caps: Mapping[str, int] = field(default_factory=dict)
+
+
+# Group caps. CPU: beyond these, throughput stops growing while memory keeps growing (measured on
+# 2 cores: ViT/CIFAR-10 41-43 victim-it/s at V = 8-32, 25 and 7.0 GB at V = 128). GPU (an H200,
+# `make gpu-check`): a ViT iteration takes about the same 62-71 ms from V = 1 to V = 128 (kernel
+# launches, not arithmetic, bound it; 4.7 GB at 128) and a ResNet-18 one 53 ms at V = 16, 78-82 ms
+# at V = 64 (4.7 GB), so both batch more jobs there; the ViT-B/16 stays at one job until measured.
+MODELS: dict[str, ModelFamily] = {
+    f.name: f
+    for f in (
+        ModelFamily("mlp", lambda spec, c, size, classes, opts: MLP(c * size * size, classes, spec.p, **opts),
+                    frozenset({"bias", "width", "depth"})),
+        ModelFamily("vit", lambda spec, c, size, classes, opts: ViT(image_size=size, channels=c, num_classes=classes,
+                                                                    p=spec.p, **opts),
+                    frozenset({"patch_size", "dim", "depth", "heads", "dim_head", "mlp_dim"}), check=_check_vit,
+                    group_caps={"cpu": 16, "gpu": 128}),
+        ModelFamily("vit_b16", lambda spec, c, size, classes, opts: ViT(image_size=size, channels=c,
+                                                                        num_classes=classes, p=spec.p, **VIT_B16),
+                    check=_check_vit_b16, group_caps={"cpu": 1, "gpu": 1}),
+        ModelFamily("lenet", lambda spec, c, size, classes, opts: LeNet(c, size, classes, spec.p),
+                    three_channel=True, tv_weight=1e-2),
+        ModelFamily("resnet18", lambda spec, c, size, classes, opts: build_resnet18(classes, spec.p, **opts),
+                    frozenset({"norm"}), three_channel=True, tv_weight=1e-2, group_caps={"cpu": 16, "gpu": 64}),
+    )
+}
+
+
+def model_family(name: str) -> ModelFamily:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelSpecError(f"unknown model {name!r}; choose from {sorted(MODELS)}") from None
+
+
 def validate_spec(spec: ModelSpec) -> None:
-    if spec.name not in MODEL_OPTIONS:
-        raise ModelSpecError(f"unknown model {spec.name!r}; choose from {sorted(MODEL_OPTIONS)}")
+    family = model_family(spec.name)
     if spec.dataset not in DATASET_SHAPES:
         raise ModelSpecError(f"unknown dataset {spec.dataset!r}; choose from {sorted(DATASET_SHAPES)}")
     if isinstance(spec.p, bool) or not isinstance(spec.p, (int, float)) or not 0.0 <= spec.p < 1.0:
         raise ModelSpecError(f"dropout rate p must be a number in [0, 1), got {spec.p!r}")
-    unknown = set(spec.options) - MODEL_OPTIONS[spec.name]
+    unknown = set(spec.options) - family.options
     if unknown:
         raise ModelSpecError(
-            f"unknown option(s) {sorted(unknown)} for model {spec.name!r}; allowed: {sorted(MODEL_OPTIONS[spec.name])}"
+            f"unknown option(s) {sorted(unknown)} for model {spec.name!r}; allowed: {sorted(family.options)}"
         )
-    if spec.name == "vit_b16" and spec.dataset != "imagenet":
-        raise ModelSpecError("vit_b16 takes 224x224 ImageNet images; use 'vit' for MNIST and CIFAR-10")
-    if spec.name == "vit":
-        patch = spec.options.get("patch_size", 4)
-        size = DATASET_SHAPES[spec.dataset][1]
-        if size % patch:
-            raise ModelSpecError(f"vit patch size {patch} does not divide the {spec.dataset} image size {size}")
+    problem = family.check(spec) if family.check is not None else None
+    if problem:
+        raise ModelSpecError(problem)
 
 
 def _construct(spec: ModelSpec) -> nn.Module:
     channels, size, _ = spec.input_shape
-    classes = spec.num_classes
-    opts = dict(spec.options)
-    if spec.name == "mlp":
-        return MLP(channels * size * size, classes, spec.p, **opts)
-    if spec.name == "vit":
-        return ViT(image_size=size, channels=channels, num_classes=classes, p=spec.p, **opts)
-    if spec.name == "vit_b16":
-        return ViT(image_size=size, channels=channels, num_classes=classes, p=spec.p, **VIT_B16)
-    if spec.name == "lenet":
-        return LeNet(channels, size, classes, spec.p)
-    return build_resnet18(classes, spec.p, **opts)
+    return model_family(spec.name).construct(spec, channels, size, spec.num_classes, dict(spec.options))
 
 
 def build_model(
@@ -122,4 +159,4 @@ def build_model(
 
 
 def list_models() -> list[str]:
-    return sorted(MODEL_OPTIONS)
+    return sorted(MODELS)
