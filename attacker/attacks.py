@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from .masks import MASK_INITS, MASK_MODES
-from .objectives import DISTANCES, TERMS, term_weight
+from .engine.masks import MASK_INITS, MASK_MODES
+from .engine.objectives import DISTANCES, TERMS, term_weight
 
 
 REPLAY_ORDERS = ("known", "unknown")

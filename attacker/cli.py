@@ -34,7 +34,7 @@ from .attacks import REPLAY_ORDERS, PRESETS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .live import watch
 from .story import run_story
-from .runner import CheckpointError
+from .engine.runner import CheckpointError
 from .pipeline import RunDirError, run_attack
 
 USER_ERRORS = (CaptureError, CheckpointError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)

@@ -18,6 +18,7 @@ LOCAL_ROUND_KEYS = {"local_epochs", "local_steps", "batch_size", "optimizer", "l
 from fedsim.models.registry import validate_spec
 
 from .attacks import AttackConfig, AttackConfigError, make_attack
+from .engine.inversion import CHECKPOINT_EVERY
 
 
 class ConfigError(ValueError):
@@ -66,7 +67,7 @@ class RunConfig:
     device: str = "auto"
     seed: int = 0
     lpips: bool = True
-    checkpoint_every: int = 250
+    checkpoint_every: int = CHECKPOINT_EVERY
     max_unroll_gb: float = 8.0  # memory for replaying FedAvg updates: groups are sized to fit, larger rounds refused
 
     def attack_configs(self) -> list[AttackConfig]:

@@ -30,21 +30,21 @@ class SSIMCurve(L.Callback):
         self.done = [False] * len(oracles)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        it = module.iteration
+        it, status = module.state.iteration, module.state.status
         due = it % self.every == 0 or it == 1  # iteration 1 too: where every curve starts
-        if not due and all(self.done[j] or module.status[j] == "running" for j in range(len(self.oracles))):
+        if not due and all(self.done[j] or status[j] == "running" for j in range(len(self.oracles))):
             return  # nothing to score this iteration
         spec = get_spec(module.jobs[0].spec.dataset, module.jobs[0].spec.input_shape[0])
         with torch.no_grad():
             for j, oracle in enumerate(self.oracles):
                 if oracle is None or self.done[j]:
                     continue
-                stopped = module.status[j] != "running"
+                stopped = status[j] != "running"
                 if not (due or stopped):
                     continue
                 if stopped:
                     self.done[j] = True  # its last point: where it stopped (its dummies no longer move)
-                images = merge_copies(module.image_stack[j].detach().cpu(), module.copies)
+                images = merge_copies(module.images[j].detach().cpu(), module.copies)
                 # an unknown batch order holds one label per copy of each image: match on the images alone
                 labels = module.jobs[j].labels if module.copies == 1 else None
                 scored = score_batch(oracle.images, images, spec.mean, spec.std, labels=labels)

@@ -176,3 +176,20 @@ def jobs_from_images(
                               job_plan, step_labels=step_labels))
         oracles.append(Oracle(images.clone(), masks))
     return jobs, oracles
+
+
+@dataclass
+class JobResult:
+    """One job's outcome: the engine's best iterate and how it got there (no ground truth here)."""
+
+    job_id: str
+    attack: str
+    images: Tensor  # best-loss iterate, normalized space (an unknown batch order: its epoch copies merged, N images)
+    masks: list[Tensor] | None  # learned masks at the best iterate (DIA only)
+    best_loss: float
+    best_iteration: int
+    iterations: int
+    status: str  # converged | no_improvement | max_iterations | diverged | running
+    optimized_values: int
+    losses: list[float] = field(default_factory=list)
+    ssim_curve: list[tuple[int, float]] = field(default_factory=list)  # (iteration, SSIM): attacker.curves

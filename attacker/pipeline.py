@@ -15,14 +15,13 @@ from fedsim.data import load_dataset, load_victim_file, paper_victims, partition
 from .attacks import AttackConfig
 from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
-from .inversion import JobResult
-from .jobs import (BatchOrderError, Oracle, VictimJob, as_one_gradient, exact_as_gradient, jobs_from_images,
+from .jobs import (BatchOrderError, JobResult, Oracle, VictimJob, as_one_gradient, exact_as_gradient, jobs_from_images,
                    model_from_job, unknown_order)
 from .labels import recover_labels
 from .metrics import LpipsScorer
-from .replay import unroll_bytes
+from .engine.replay import unroll_bytes
 from .report import atomic_write, write_results
-from .runner import run_jobs
+from .engine.runner import run_jobs
 from .scoring import score_results
 
 

@@ -21,8 +21,7 @@ from safetensors.torch import save as save_safetensors  # noqa: E402
 from fedsim.atomic import atomic_write  # noqa: E402,F401 - pipeline, story and the experiments write through it
 from fedsim.data import denormalize, get_spec  # noqa: E402
 
-from .inversion import JobResult  # noqa: E402
-from .jobs import Oracle, VictimJob  # noqa: E402
+from .jobs import JobResult, Oracle, VictimJob  # noqa: E402
 
 SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "rdlv", "mmd", "trd", "iterations",
                 "iters_to_ssim90")

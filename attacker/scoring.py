@@ -10,8 +10,7 @@ import torch
 from fedsim.data import get_spec
 
 from .curves import iterations_to
-from .inversion import JobResult
-from .jobs import Oracle, VictimJob
+from .jobs import JobResult, Oracle, VictimJob
 from .metrics import LpipsScorer, mask_metrics, score_batch
 
 METRIC_KEYS = ("ssim_paper", "psnr_paper", "mse_paper", "ssim_std", "psnr_std", "mse_std", "lpips")

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_baseline import plain_attacks, run_plain  # noqa: E402
 
 from attacker.attacks import make_attack  # noqa: E402
-from attacker.inversion import InversionModule  # noqa: E402
+from attacker.engine.inversion import InversionModule  # noqa: E402
 from attacker.jobs import jobs_from_images  # noqa: E402
 from fedsim.models import ModelSpec  # noqa: E402
 
@@ -111,7 +111,7 @@ def engine_step(module: InversionModule) -> list[float]:
     """The per-iteration work of InversionModule.training_step without Lightning and without the
     best-iterate and stopping bookkeeping (the plain baseline leaves those out too)."""
     active = module.active()
-    module.zero_grads(active)
+    module.unknowns.zero_grad_rows()
     losses, _ = module.job_losses(active)
     losses.sum().backward()
     values = losses.detach().cpu().tolist()
@@ -204,7 +204,7 @@ def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: to
         flops_d, mem_d = count_flops(step), memory.peak_gb()
         memory.reset()
         ghost.factored = True
-        targets = [getattr(module, f"target_{i}") for i in range(module.num_params)]
+        targets = module.matcher.targets(slice(None))
         sync()
         start = time.perf_counter()
         ghost.set_targets(targets)  # all jobs active: what the engine's first step does

@@ -10,7 +10,7 @@ figure of `make bench` is a ratio measured in the same process, on the same jobs
 
 It is the same attack as the engine's (checked by tests/test_plain_baseline.py): the same model and
 weights, the same initial dummies and masks (read from an InversionModule built for the same jobs),
-the same TV term and DIA mask regularizer (attacker.objectives), the same Adam, ReduceLROnPlateau,
+the same TV term and DIA mask regularizer (attacker.engine.objectives), the same Adam, ReduceLROnPlateau,
 signed data gradient, box and [0, 1] mask clipping. One kindness to the baseline: its backward
 pass goes to the optimized tensors only (``inputs=``), where the field's code also accumulates
 gradients into the model's weights. Neither this loop nor the engine step it is timed against
@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attacker.attacks import AttackConfig
-from attacker.inversion import InversionModule
+from attacker.engine.inversion import InversionModule
 from attacker.jobs import VictimJob, model_from_job
-from attacker.objectives import EPS, mask_regularizer, term_weight, total_variation
+from attacker.engine.objectives import EPS, mask_regularizer, term_weight, total_variation
 from fedsim.data import box_bounds, get_spec
 from fedsim.models import DropoutMode, set_dropout_mode, set_masks
 
@@ -37,10 +37,10 @@ def initial_state(module: InversionModule, j: int) -> tuple[Tensor, list[Tensor]
     """Job j's dummies and masks as the engine starts them (copies), and whether masks are learned."""
     image = module.images[j].detach().clone()
     masks, learned = [], False
-    for layer, (kind, _) in enumerate(module.mask_slots[j]):
+    for layer, (kind, _) in enumerate(module.unknowns.mask_slots[j]):
         if kind == "random":
             raise NotImplementedError("the plain baseline runs fixed or learned masks, not fresh random ones")
-        masks.append(module._mask(j, layer).detach().clone())
+        masks.append(module.unknowns.mask(j, layer).detach().clone())
         learned = learned or kind == "learn"
     return image, masks, learned
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from attacker.attacks import AttackConfigError, make_attack
-from attacker.gradients import PerJobGradients, autograd_terms
-from attacker.inversion import InversionModule
+from attacker.engine.gradients import PerJobGradients, autograd_terms
+from attacker.engine.inversion import InversionModule
 from attacker.jobs import VictimJob, jobs_from_images
 from attacker.labels import recover_labels
-from attacker.masks import analytical_masks
-from attacker.runner import EpochCheckpoint, run_jobs
+from attacker.engine.masks import analytical_masks
+from attacker.engine.runner import EpochCheckpoint, run_jobs
 from fedsim.models import ModelSpec, build_model, mask_shapes, set_dropout_mode, set_masks
 
 
@@ -229,7 +229,7 @@ def test_the_ssim_curve_survives_a_resume(mnist_like, tmp_path):
 
 
 def test_group_caps_follow_the_device_lightning_will_pick(monkeypatch):
-    from attacker.runner import device_kind
+    from attacker.engine.runner import device_kind
     from fedsim.models import MODELS
 
     assert device_kind("cpu") == "cpu" and device_kind("gpu") == device_kind("cuda") == "gpu"

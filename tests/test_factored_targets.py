@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacker.gradients import FACTOR_RTOL, PerJobGradients, factor_targets
-from attacker.objectives import cosine_distance
+from attacker.engine.gradients import FACTOR_RTOL, PerJobGradients, factor_targets
+from attacker.engine.objectives import cosine_distance
 from fedsim.models import build_model, mask_shapes, set_dropout_mode, set_masks
 
 

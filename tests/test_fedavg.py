@@ -21,8 +21,8 @@ from attacker.attacks import make_attack  # noqa: E402
 from attacker.captures import jobs_from_captures  # noqa: E402
 from attacker.cli import main as attacker_main  # noqa: E402
 from attacker.jobs import as_one_gradient, exact_as_gradient, jobs_from_images, model_from_job  # noqa: E402
-from attacker.replay import replay_terms  # noqa: E402
-from attacker.runner import run_jobs  # noqa: E402
+from attacker.engine.replay import replay_terms  # noqa: E402
+from attacker.engine.runner import run_jobs  # noqa: E402
 from fedsim import task  # noqa: E402
 from fedsim.capture import list_captures  # noqa: E402
 from fedsim.client_app import handle_train  # noqa: E402
@@ -277,7 +277,7 @@ def test_unknown_order_attack_on_offline_victims_runs_and_is_scored(
 
 
 def test_the_order_prior_is_zero_for_permuted_copies() -> None:
-    from attacker.objectives import copies_prior
+    from attacker.engine.objectives import copies_prior
 
     g = torch.Generator().manual_seed(0)
     copy = torch.randn(4, 1, 6, 6, generator=g)

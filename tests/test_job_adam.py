@@ -1,4 +1,4 @@
-"""attacker.job_adam: Adam on stacked rows equals one torch.optim.Adam per row, element for element,
+"""attacker.engine.job_adam: Adam on stacked rows equals one torch.optim.Adam per row, element for element,
 with per-row learning rates (a plateau lowers one job's) and per-row step counts (jobs start and stop
 apart); rows that do not move keep their values."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from attacker.job_adam import adam_factors, adam_rows_
+from attacker.engine.job_adam import adam_factors, adam_rows_
 
 
 def test_stacked_rows_step_like_one_adam_per_row() -> None:
@@ -44,7 +44,7 @@ def test_stacked_rows_step_like_one_adam_per_row() -> None:
 
 
 def test_plateau_step_lowers_the_rate_when_torchs_scheduler_does() -> None:
-    from attacker.job_adam import plateau_step
+    from attacker.engine.job_adam import plateau_step
 
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.Adam([param], lr=0.1)

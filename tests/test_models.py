@@ -111,7 +111,7 @@ def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, c
     from torch import nn
 
     from attacker.cli import main as attacker_main
-    from attacker.objectives import term_weight
+    from attacker.engine.objectives import term_weight
     from attacker.attacks import make_attack
     from fedsim.models import MODELS, MaskedDropout, ModelFamily
 

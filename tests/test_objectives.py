@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from attacker import objectives
+from attacker.engine import objectives
 from attacker.attacks import AttackConfig, AttackConfigError, make_attack
-from attacker.inversion import InversionModule
+from attacker.engine.inversion import InversionModule
 from attacker.jobs import jobs_from_images
-from attacker.masks import MASK_MODES
+from attacker.engine.masks import MASK_MODES
 from fedsim.models import ModelSpec
 
 

@@ -19,11 +19,11 @@ from lightning.pytorch.loggers import CSVLogger
 from fedsim.atomic import atomic_path
 from fedsim.models import model_family
 
-from .attacks import AttackConfig
-from .curves import SSIMCurve
-from .inversion import InversionModule, JobResult
+from ..attacks import AttackConfig
+from ..curves import SSIMCurve
+from .inversion import CHECKPOINT_EVERY, InversionModule
 from .gradients import PerJobGradients
-from .jobs import Oracle, VictimJob, model_from_job
+from ..jobs import JobResult, Oracle, VictimJob, model_from_job
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ def _check_checkpoint(path: Path) -> None:
         ) from None
     if not isinstance(state, dict) or "inversion" not in state:
         raise CheckpointError(f"checkpoint {path} is not an attack checkpoint of this tool")
-    from .inversion import InversionModule
-
     if state["inversion"].get("format") != InversionModule.CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path} was written by an older version of the engine; remove it to "
                               "restart that group")
@@ -106,7 +104,7 @@ def run_jobs(
     *,
     seed: int = 0,
     accelerator: str = "auto",
-    checkpoint_every: int = 250,
+    checkpoint_every: int = CHECKPOINT_EVERY,
     progress: bool = True,
     max_jobs_per_group: int = 512,
     score_oracles: list[Oracle | None] | None = None,
@@ -135,8 +133,8 @@ def run_jobs(
             [attacks[i] for i in group],
             [oracles[i] for i in group] if oracles else None,
             seed=seed,
+            chunk=checkpoint_every,
         )
-        module.chunk = checkpoint_every
         max_iterations = max(attacks[i].max_iterations for i in group)
         ckpt_dir = run_dir / "checkpoints" / f"group{g:03d}"
         last = ckpt_dir / "last.ckpt"

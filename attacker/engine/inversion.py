@@ -1,0 +1,197 @@
+"""The one engine: a LightningModule that reconstructs the images of V victim jobs at once.
+
+All jobs of one module share the model and its weights and have the same batch size B; each has
+its own attack (IG, WIIG, DIA, APRIL...), dummies, masks, Adam, ReduceLROnPlateau, stopping rule
+and best iterate, so each job's result equals running it alone (up to float rounding of batched
+products). Every attack is "learn mode" dropout with per-job masks: IG (eval) multiplies by the
+constant 1 - p (which cancels the 1/(1-p) scaling: dropout off), IG (train) by fresh Bernoulli
+masks each iteration, WIIG by the client's true masks, DIA by optimized masks in [0, 1].
+
+Lightning's split: this module holds the math (each job's loss, the step); the Trainer the loop;
+callbacks the checkpoints and curves (``runner``). The parts: ``Unknowns`` (what is optimized),
+``Matcher`` (what it is matched against), ``JobState`` (each job's stopping and schedule state).
+Optimization is manual because each job has its own learning rate, plateau and stopping point.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning import LightningModule
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from fedsim.data import box_bounds, get_spec
+from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
+
+from ..attacks import AttackConfig
+from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
+from .masks import mask_mode
+from .matching import Matcher
+from .objectives import DISTANCES, TERMS, TermInputs, term_weight
+from .state import JobState
+from .unknowns import Unknowns
+
+CHECKPOINT_EVERY = 250  # iterations per Lightning "epoch": the checkpoint interval
+
+
+def check_group(jobs: list[VictimJob], attacks: list[AttackConfig]) -> None:
+    """One module's jobs share the model spec, weights, batch size and what they match."""
+    if not jobs or len(jobs) != len(attacks):
+        raise ValueError("give one attack per job, and at least one job")
+    first = jobs[0]
+    for job in jobs[1:]:
+        if job.spec != first.spec or job.weights is not first.weights or job.batch_size != first.batch_size:
+            raise ValueError("jobs of one module must share model spec, weights and batch size")
+        if job.kind != first.kind or job.steps != first.steps or job.copies != first.copies:
+            raise ValueError("jobs of one module must share what they match (gradient or update) and its steps")
+
+
+class InversionModule(LightningModule):
+    CHECKPOINT_FORMAT = 3  # 3: the unknowns and the per-job state as their own parts
+
+    def __init__(self, jobs: list[VictimJob], attacks: list[AttackConfig], oracles: list[Oracle | None] | None = None,
+                 seed: int = 0, chunk: int = CHECKPOINT_EVERY) -> None:
+        super().__init__()
+        check_group(jobs, attacks)
+        self.automatic_optimization = False
+        self.jobs, self.attacks, self.chunk = jobs, attacks, chunk
+        first = jobs[0]
+        self.V, self.B, self.p, self.copies = len(jobs), first.batch_size, first.p, first.copies
+        model = model_from_job(first)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        self.matcher = Matcher(jobs, model)
+        # Masks per local step and dropout layer, step-major (one step for a gradient job).
+        self.mask_shapes = [shape for batch in first.steps
+                            for shape in mask_shapes(model, torch.zeros(len(batch), *first.spec.input_shape))]
+        box = box_bounds(get_spec(first.spec.dataset, first.spec.input_shape[0]))
+        self.unknowns = Unknowns(jobs, attacks, oracles, seed, model, self.mask_shapes, box)
+        self.state = JobState.start(attacks)
+        # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
+        # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
+        self.distance_names = sorted({a.distance for a in attacks})
+        self.register_buffer("distance_index", torch.tensor([self.distance_names.index(a.distance) for a in attacks]),
+                             persistent=False)
+        learns = [mask_mode(a.masks, self.p).kind == "learn" for a in attacks]
+        for key, term in TERMS.items():
+            weights = [term_weight(a, key, first.spec.name)
+                       if (learned or not term.learned_masks_only) and (self.copies > 1 or not term.copies_only)
+                       else 0.0 for a, learned in zip(attacks, learns)]
+            self.register_buffer(f"weight_{key}", torch.tensor(weights), persistent=False)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.matcher.model
+
+    @property
+    def ghost(self):  # the batched gradient path, when the group uses it (benchmarks switch its factoring)
+        return self.matcher.ghost
+
+    @property
+    def images(self) -> list[Tensor]:
+        return self.unknowns.images
+
+    def active(self) -> list[int]:
+        return self.state.active()
+
+    # -- Lightning plumbing -------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        # A replay is many small, memory-bound ops: on CPU one intra-op thread beats two (measured
+        # here: MLP K = 4, 0.04 s against 1.2 s per iteration on a busy 2-core machine), since every
+        # parallel region waits for the slowest thread. Restored when the fit ends.
+        self._threads = torch.get_num_threads()
+        if self.matcher.plan is not None and self.device.type == "cpu":
+            torch.set_num_threads(1)
+
+    def on_train_end(self) -> None:
+        torch.set_num_threads(getattr(self, "_threads", torch.get_num_threads()))
+
+    def configure_optimizers(self) -> None:  # each job's Adam lives in Unknowns (see the module docstring)
+        return None
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(range(self.chunk), batch_size=None)
+
+    # -- the math: each active job's loss ---------------------------------------------------------
+    def job_losses(self, active: list[int]) -> tuple[Tensor, Tensor]:
+        """Each active job's loss (one value per job) and the active jobs' dummies, job-major."""
+        unknowns, layers_n = self.unknowns, len(self.mask_shapes)
+        x = unknowns.rows(unknowns.image_stack, active)
+        if self.matcher.plan is not None:
+            masks = {j: [unknowns.mask(j, i) for i in range(layers_n)] for j in active}
+            terms = self.matcher.replay(active, unknowns.images, masks)
+            layers = [torch.cat([masks[j][i] for j in active]) for i in range(layers_n)]
+        else:
+            layers = [unknowns.layer_masks(active, i) for i in range(layers_n)]
+            if layers:
+                set_masks(self.model, layers)
+                set_dropout_mode(self.model, DropoutMode.LEARN)
+            terms = self.matcher.terms(x, active, layers)
+        index = unknowns.index(active)
+        chosen = self.distance_index.index_select(0, index)
+        loss = DISTANCES[self.distance_names[0]](terms)
+        for d, name in enumerate(self.distance_names[1:], start=1):
+            loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
+        inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies)
+        for key, term in TERMS.items():
+            weight = getattr(self, f"weight_{key}").index_select(0, index)
+            if weight.any():  # a term no active job uses is not computed
+                loss = loss + weight * term.fn(inputs)
+        return loss, x
+
+    # -- the step -------------------------------------------------------------------------------
+    def training_step(self, batch: int, batch_idx: int) -> None:
+        active = self.active()
+        if not active:
+            self.trainer.should_stop = True
+            return None
+        self.unknowns.zero_grad_rows()
+        losses, _ = self.job_losses(active)
+        self.manual_backward(losses.sum())
+        values = losses.detach().cpu().tolist()
+        improved, stepping = self.state.observe(active, values, self.attacks)
+        if improved:
+            self.unknowns.keep_best(improved)
+        if stepping:
+            self.step_jobs([j for j, _ in stepping], [v for _, v in stepping])
+        self.state.iteration += 1
+        running = self.active()
+        self.log("active_jobs", float(len(running)), prog_bar=True, on_step=True, batch_size=1)
+        self.log("loss_mean", float(sum(values) / len(values)), prog_bar=True, on_step=True, batch_size=1)
+        if not running:
+            self.trainer.should_stop = True
+        return None
+
+    def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
+        """One optimizer step of each of ``jobs`` after the backward pass (Adam on their rows, then each
+        job's plateau rule on its loss)."""
+        stepping = [False] * self.V
+        for j in jobs:
+            stepping[j] = True
+            self.state.adam_steps[j] += 1
+        self.unknowns.step(stepping, self.state.job_lr, self.state.adam_steps)
+        for j, loss in zip(jobs, losses):
+            self.state.plateau(j, loss, self.attacks[j])
+
+    # -- checkpoints: the dummies, masks, Adam moments and best iterates are parameters and buffers;
+    # the per-job state is saved beside them.
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["inversion"] = {"format": self.CHECKPOINT_FORMAT, **self.state.state_dict()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.state.load_state_dict(checkpoint["inversion"])
+
+    # -- results ------------------------------------------------------------------------------------
+    def results(self) -> list[JobResult]:
+        out, state, unknowns = [], self.state, self.unknowns
+        pixels = self.B * int(torch.Size(self.jobs[0].spec.input_shape).numel())
+        for j, (job, attack) in enumerate(zip(self.jobs, self.attacks)):
+            source = unknowns.best_images if state.has_best[j] else unknowns.image_stack
+            slots = unknowns.learned(j)
+            masks = ([getattr(unknowns, f"best_masks_{i}")[k].cpu().clone() for i, k in slots]
+                     if slots and state.has_best[j] else None)
+            learned = sum(unknowns.mask_stacks[i][k].numel() for i, k in slots)
+            out.append(JobResult(job.job_id, attack.name, merge_copies(source[j].detach().cpu().clone(), self.copies),
+                                 masks, state.best_loss[j], state.best_iteration[j], len(state.losses[j]),
+                                 state.status[j], pixels + learned, list(state.losses[j])))
+        return out
