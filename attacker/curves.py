@@ -19,7 +19,7 @@ from fedsim.data import get_spec
 from .jobs import Oracle, merge_copies
 from .metrics import score_batch
 
-SSIM_TARGET = 0.9  # "iterations to SSIM 0.9", the speed figure of issue 13
+SSIM_TARGET = 0.9  # "iterations to SSIM 0.9": how fast an attack gets a recognizable image
 
 
 class SSIMCurve(L.Callback):

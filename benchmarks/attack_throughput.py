@@ -89,7 +89,7 @@ def make_module(model: str, dataset: str, jobs: int, device: torch.device | str 
 
 def autocast_step(module: InversionModule, device: torch.device):
     """engine_step under bf16 autocast (GEMMs in bfloat16, reductions and norms in float32): the
-    lower-precision path issue 12 suggested trying; timed beside the others, not used by the engine."""
+    lower-precision path worth trying for speed; timed beside the others, not used by the engine."""
 
     def step() -> list[float]:
         with torch.autocast(device.type, dtype=torch.bfloat16):
