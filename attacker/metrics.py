@@ -4,7 +4,7 @@ Two value spaces are reported, always labelled by a suffix:
 
 * ``*_paper`` -- computed on the *normalized* tensors (the model's input space) with
   ``data_range = max_c 1/std_c`` (about 3.25 for MNIST, 4.05 for CIFAR-10). The paper's
-  tables were produced this way (see docs/protocol.md, "Metrics"), so use these to compare.
+  tables were produced this way (their MSE and PSNR pairs imply this range), so use these to compare.
 * ``*_std`` -- the standard convention: images mapped back to [0, 1] (clamped), data_range 1.
 
 LPIPS always takes [0, 1] images (scaled to [-1, 1] internally). A perfect reconstruction has
