@@ -8,7 +8,6 @@ from typing import Any
 from .engine.masks import MASK_INITS, MASK_MODES
 from .engine.objectives import DISTANCES, TERMS, term_weight
 
-
 REPLAY_ORDERS = ("known", "unknown")
 
 

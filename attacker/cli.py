@@ -27,15 +27,14 @@ from rich.table import Table
 from fedsim.capture import CaptureError
 from fedsim.data import DataUnavailableError, VictimFileError
 from fedsim.models import ModelSpecError
-
 from fedsim.run_config import SETTINGS
 
-from .attacks import REPLAY_ORDERS, PRESETS, AttackConfigError
+from .attacks import PRESETS, REPLAY_ORDERS, AttackConfigError
 from .config import ConfigError, RunConfig, load_config, parse_config
-from .live import watch
-from .story import run_story
 from .engine.runner import CheckpointError
+from .live import watch
 from .pipeline import RunDirError, run_attack
+from .story import run_story
 
 USER_ERRORS = (CaptureError, CheckpointError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
 
@@ -130,7 +129,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from .experiments import ClusterLostError, RayOptions, Settings, load_experiment, run_experiments, select_cells, write_report
+    from .experiments import (
+        ClusterLostError,
+        RayOptions,
+        Settings,
+        load_experiment,
+        run_experiments,
+        select_cells,
+        write_report,
+    )
 
     if args.victims is not None and args.victims <= 0:
         raise ConfigError(f"--victims must be positive, got {args.victims}")

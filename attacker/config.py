@@ -8,17 +8,17 @@ from typing import Any
 
 import yaml
 
+from fedsim.client_step import LocalPlan, LocalPlanError
 from fedsim.data import PAPER_VICTIMS
 from fedsim.models import ModelSpec, ModelSpecError
-from fedsim.client_step import LocalPlan, LocalPlanError
+from fedsim.models.registry import validate_spec
 from fedsim.run_config import DEFAULTS, RunConfigError, from_run_config, resolve_config, to_run_config
 from fedsim.task import local_plan
 
-LOCAL_ROUND_KEYS = {"local_epochs", "local_steps", "batch_size", "optimizer", "lr", "momentum", "batch_order"}
-from fedsim.models.registry import validate_spec
-
 from .attacks import AttackConfig, AttackConfigError, make_attack
 from .engine.inversion import CHECKPOINT_EVERY
+
+LOCAL_ROUND_KEYS = {"local_epochs", "local_steps", "batch_size", "optimizer", "lr", "momentum", "batch_order"}
 
 
 class ConfigError(ValueError):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fedsim.atomic import atomic_write
 from fedsim.capture import list_captures

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -15,13 +16,22 @@ from fedsim.data import load_dataset, load_victim_file, paper_victims, partition
 from .attacks import AttackConfig
 from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
-from .jobs import (BatchOrderError, JobResult, Oracle, VictimJob, as_one_gradient, exact_as_gradient, jobs_from_images,
-                   model_from_job, unknown_order)
+from .engine.replay import unroll_bytes
+from .engine.runner import run_jobs
+from .jobs import (
+    BatchOrderError,
+    JobResult,
+    Oracle,
+    VictimJob,
+    as_one_gradient,
+    exact_as_gradient,
+    jobs_from_images,
+    model_from_job,
+    unknown_order,
+)
 from .labels import recover_labels
 from .metrics import LpipsScorer
-from .engine.replay import unroll_bytes
 from .report import atomic_write, write_results
-from .engine.runner import run_jobs
 from .scoring import score_results
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .config import parse_config
 from .pipeline import RunDirError, run_attack

@@ -24,25 +24,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import logging
-import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from plain_baseline import plain_attacks, run_plain  # beside this script: its directory is on sys.path
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from plain_baseline import plain_attacks, run_plain  # noqa: E402
-
-from attacker.attacks import make_attack  # noqa: E402
-from attacker.engine.inversion import InversionModule  # noqa: E402
-from attacker.jobs import jobs_from_images  # noqa: E402
-from fedsim.models import ModelSpec  # noqa: E402
+from attacker.attacks import make_attack
+from attacker.engine.inversion import InversionModule
+from attacker.jobs import jobs_from_images
+from fedsim.models import ModelSpec
 
 SETTINGS = {"mlp": ("mlp", "mnist"), "lenet": ("lenet", "mnist"), "vit": ("vit", "cifar10"), "resnet18": ("resnet18", "cifar10")}
 # Default V per model: a few sizes up to where that model's throughput stops growing on 2 cores.
@@ -197,7 +195,7 @@ def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: to
         memory.reset()
         module = make_module(model, dataset, v, device, args.batch_size)
         ghost = module.ghost
-        step = lambda: engine_step(module)  # noqa: E731
+        step = functools.partial(engine_step, module)
         ghost.factored = False  # the dense targets: the engine before factoring
         for _ in range(2):
             step()

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def check_cpu_equals_gpu() -> None:

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from attacker.attacks import AttackConfig
 from attacker.engine.inversion import InversionModule
-from attacker.jobs import VictimJob, model_from_job
 from attacker.engine.objectives import EPS, mask_regularizer, term_weight, total_variation
+from attacker.jobs import VictimJob, model_from_job
 from fedsim.data import box_bounds, get_spec
 from fedsim.models import DropoutMode, set_dropout_mode, set_masks
 

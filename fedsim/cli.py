@@ -3,19 +3,15 @@ same app in Flower's deployment engine on loopback (``deploy-local``)."""
 
 from __future__ import annotations
 
-from fedsim import flower_env
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
-flower_env.apply()  # before anything imports flwr
-
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
 # A wide console when piped (CI logs, files) so tables are not squeezed to 80 columns.
 console = Console() if sys.stdout.isatty() else Console(width=160)

@@ -10,22 +10,18 @@ FedAvg allows one ArrayRecord per reply). The server keeps the oracle apart from
 
 from __future__ import annotations
 
-from fedsim import flower_env
+import json
+from typing import Any
 
-flower_env.apply()  # before anything imports flwr
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from safetensors.torch import save as st_save
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-import json  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
-from safetensors.torch import save as st_save  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset  # noqa: E402
-
-from fedsim import defenses, task  # noqa: E402
-from fedsim.client_step import StepRecord, run_local_round  # noqa: E402
-from fedsim.run_config import resolve_config  # noqa: E402
+from fedsim import defenses, task
+from fedsim.client_step import StepRecord, run_local_round
+from fedsim.run_config import resolve_config
 
 app = ClientApp()
 
@@ -44,8 +40,17 @@ def defense_mod(msg: Message, context: Context, call_next: Any) -> Message:
     mods = defenses.client_mods(_config(msg, context))
     chain = call_next
     for mod in reversed(mods):
-        chain = (lambda m, c, mod=mod, nxt=chain: mod(m, c, nxt))
+        chain = _link(mod, chain)
     return chain(msg, context)
+
+
+def _link(mod: Any, call_next: Any) -> Any:
+    """``mod`` with the rest of the chain bound: a handler of (message, context)."""
+
+    def handler(msg: Message, context: Context) -> Message:
+        return mod(msg, context, call_next)
+
+    return handler
 
 
 def _config(msg: Message, context: Context) -> dict[str, Any]:

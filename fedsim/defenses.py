@@ -27,9 +27,9 @@ and any new setting it reads in ``fedsim.run_config.SCHEMA``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-import math
 from typing import Any
 
 import numpy as np
@@ -197,8 +197,12 @@ def privacy_spent(cfg: Mapping[str, Any], rounds: int, sampled: int, population:
     if defense.per_round_epsilon is not None:
         out["per_round"] = {"epsilon": defense.per_round_epsilon(cfg), "delta": delta}
     try:
-        from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
-                                                       SamplingMethod)
+        from flwr.supercore.privacy_accounting import (
+            GaussianPrivacyEvent,
+            NeighboringRelation,
+            PrivacyConfig,
+            SamplingMethod,
+        )
         from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
         n = 1 if defense.accounted == "client" else max(population, sampled)

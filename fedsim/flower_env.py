@@ -1,7 +1,7 @@
 """The environment Flower runs under here: no telemetry, no update check, no runtime installs.
 
-Flower reads some of these when it is imported, so every module that imports flwr calls
-:func:`apply` first; subprocesses (the deployment's SuperLink and SuperNodes, test runs) get
+Flower reads some of these when it is imported, so the package's ``__init__`` calls :func:`apply`
+before any module of the package imports flwr; subprocesses (the deployment's SuperLink and SuperNodes, test runs) get
 :data:`FLWR_ENV` in their environment. This module imports nothing from Flower.
 
 :class:`FlowerNoticeFilter` drops named notices of Flower's ``flwr`` logger that say nothing a

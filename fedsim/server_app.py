@@ -9,25 +9,21 @@ Per run folder:
 
 from __future__ import annotations
 
-from fedsim import flower_env
+import csv
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-flower_env.apply()  # before anything imports flwr
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from safetensors.torch import save_file
 
-import csv  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord  # noqa: E402
-from flwr.serverapp import Grid, ServerApp  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from fedsim import defenses, task  # noqa: E402
-from fedsim.atomic import atomic_path, atomic_write  # noqa: E402
-from fedsim.run_config import capture_rounds, resolve_config  # noqa: E402
-from fedsim.strategy import CuriousFedAvg  # noqa: E402
+from fedsim import defenses, task
+from fedsim.atomic import atomic_path, atomic_write
+from fedsim.run_config import capture_rounds, resolve_config
+from fedsim.strategy import CuriousFedAvg
 
 ROUND_FIELDS = ["round", "accuracy", "loss", "train_loss", "num_replies", "captured", "elapsed_s"]
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 from fedsim import flower_env
-
-flower_env.apply()  # before anything imports flwr
-
-import json  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from fedsim.run_config import resolve_config  # noqa: E402
+from fedsim.run_config import resolve_config
 
 
 def new_run_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], Path]:

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedsim import flower_env
+
 ROOT = Path(__file__).resolve().parents[1]
 # The tests never reach the network for the paper's victims (subprocesses inherit this); the fetch's
 # own tests serve the file from a loopback server and turn it back on.
@@ -23,6 +25,10 @@ def paper_victims_or_skip(dataset: str) -> Path:
     except VictimFileError:
         pytest.skip(f"the paper's {dataset} victims are not in {paper_victims_path(dataset, ROOT / 'data')} "
                     f"(run `make victims`)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    flower_env.apply()  # Flower's environment before any test module imports flwr (importing fedsim does it too)
 
 
 @pytest.fixture(autouse=True)

@@ -2,17 +2,11 @@
 attack as the batched engine (same losses, step by step, from the same start); the GPU check says
 in one line that there is no GPU."""
 
-import sys
-from pathlib import Path
-
+import gpu_check  # benchmarks/ is on the test path (pyproject's pythonpath)
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gpu_check  # noqa: E402
-from attack_throughput import engine_step, make_module  # noqa: E402
-from plain_baseline import plain_attacks, run_plain  # noqa: E402
+from attack_throughput import engine_step, make_module
+from plain_baseline import plain_attacks, run_plain
 
 
 @pytest.mark.parametrize("model,dataset,weights", [

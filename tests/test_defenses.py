@@ -4,26 +4,20 @@ the ClientApp object itself (with its mods) answers the strategy's messages."""
 
 from __future__ import annotations
 
-from fedsim import flower_env
+from pathlib import Path
+from typing import Any
 
-flower_env.apply()  # before anything imports flwr
+import numpy as np
+import pytest
+import torch
+from flower_harness import NODE_IDS, FakeGrid, context_for, offline_config, set_task_identity
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp.strategy import FedAvg
 
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
-from flwr.serverapp.strategy import FedAvg  # noqa: E402
-
-from fedsim import defenses, task  # noqa: E402
-from fedsim.client_app import app, handle_train  # noqa: E402
-from fedsim.run_config import RunConfigError, resolve_config  # noqa: E402
-from fedsim.strategy import CuriousFedAvg  # noqa: E402
-from flower_harness import NODE_IDS, offline_config, FakeGrid, context_for, set_task_identity  # noqa: E402
-
-
+from fedsim import defenses, task
+from fedsim.client_app import app, handle_train
+from fedsim.run_config import RunConfigError, resolve_config
+from fedsim.strategy import CuriousFedAvg
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,20 +7,17 @@ through Flower's own logger functions and writes the run's results file."""
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import flwr.simulation  # noqa: F401  (loads flwr.simulation.run_simulation, the module)
+import pytest
+from flwr.supercore.logger import log, warn_deprecated_feature
+
 from fedsim import flower_env
-
-flower_env.apply()  # before anything imports flwr
-
-import json  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-from flwr.supercore.logger import log, warn_deprecated_feature  # noqa: E402
-
-import flwr.simulation  # noqa: E402,F401  (loads flwr.simulation.run_simulation, the module)
 
 OTHER_WARNING = "Some other Flower warning %s"
 
@@ -110,7 +107,7 @@ def test_quiet_yields_to_verbose_and_flwr_log_level(engine, flwr_records, monkey
 
 
 def test_the_actors_shutdown_notice_is_dropped_in_every_process_that_applies_the_env(flwr_records) -> None:
-    flower_env.apply()  # what fedsim.client_app does in each Ray actor
+    flower_env.apply()  # what importing fedsim does in each Ray actor
     flower_env.apply()  # idempotent: one filter
     logger = logging.getLogger("flwr")
     assert sum(isinstance(f, flower_env.FlowerNoticeFilter) for f in logger.filters) == 1

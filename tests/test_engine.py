@@ -7,10 +7,10 @@ import torch
 from attacker.attacks import AttackConfigError, make_attack
 from attacker.engine.gradients import PerJobGradients, autograd_terms
 from attacker.engine.inversion import InversionModule
-from attacker.jobs import VictimJob, jobs_from_images
-from attacker.labels import recover_labels
 from attacker.engine.masks import analytical_masks
 from attacker.engine.runner import EpochCheckpoint, run_jobs
+from attacker.jobs import VictimJob, jobs_from_images
+from attacker.labels import recover_labels
 from fedsim.models import ModelSpec, build_model, mask_shapes, set_dropout_mode, set_masks
 
 

@@ -304,7 +304,7 @@ def test_a_ray_address_that_never_answers_times_out(tmp_path: Path) -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        address = "127.0.0.1:%d" % silent.getsockname()[1]
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
         started = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "attacker.cli", "experiment", str(config), *FOUR_ARGS, "--out", str(tmp_path / "out"),

@@ -3,36 +3,29 @@ K = 1 equivalence with the one-step attack, and bad update captures."""
 
 from __future__ import annotations
 
-from fedsim import flower_env
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
 
-flower_env.apply()  # before anything imports flwr
+import pytest
+import torch
+from flower_harness import NODE_IDS, FakeGrid, client_context, offline_config, set_task_identity
+from flwr.app import ArrayRecord, ConfigRecord
+from torch.utils.data import TensorDataset
 
-import dataclasses  # noqa: E402
-import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord  # noqa: E402
-from torch.utils.data import TensorDataset  # noqa: E402
-
-from attacker.attacks import make_attack  # noqa: E402
-from attacker.captures import jobs_from_captures  # noqa: E402
-from attacker.cli import main as attacker_main  # noqa: E402
-from attacker.jobs import as_one_gradient, exact_as_gradient, jobs_from_images, model_from_job  # noqa: E402
-from attacker.engine.replay import replay_terms  # noqa: E402
-from attacker.engine.runner import run_jobs  # noqa: E402
-from fedsim import task  # noqa: E402
-from fedsim.capture import list_captures  # noqa: E402
-from fedsim.client_app import handle_train  # noqa: E402
-from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan, run_local_round  # noqa: E402
-from fedsim.models import ModelSpec  # noqa: E402
-from fedsim.strategy import CuriousFedAvg  # noqa: E402
-from flower_harness import NODE_IDS, offline_config, FakeGrid, client_context, set_task_identity  # noqa: E402
-
-
-
+from attacker.attacks import make_attack
+from attacker.captures import jobs_from_captures
+from attacker.cli import main as attacker_main
+from attacker.engine.replay import replay_terms
+from attacker.engine.runner import run_jobs
+from attacker.jobs import as_one_gradient, exact_as_gradient, jobs_from_images, model_from_job
+from fedsim import task
+from fedsim.capture import list_captures
+from fedsim.client_app import handle_train
+from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan, run_local_round
+from fedsim.models import ModelSpec
+from fedsim.strategy import CuriousFedAvg
 
 _context = client_context
 

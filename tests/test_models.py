@@ -110,9 +110,9 @@ def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, c
     name, its TV default and its group cap apply, and a one-iteration DIA attack runs on it."""
     from torch import nn
 
+    from attacker.attacks import make_attack
     from attacker.cli import main as attacker_main
     from attacker.engine.objectives import term_weight
-    from attacker.attacks import make_attack
     from fedsim.models import MODELS, MaskedDropout, ModelFamily
 
     def construct(spec, channels, size, classes, options):

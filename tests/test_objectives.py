@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from attacker.engine import objectives
 from attacker.attacks import AttackConfig, AttackConfigError, make_attack
+from attacker.engine import objectives
 from attacker.engine.inversion import InversionModule
-from attacker.jobs import jobs_from_images
 from attacker.engine.masks import MASK_MODES
+from attacker.jobs import jobs_from_images
 from fedsim.models import ModelSpec
 
 

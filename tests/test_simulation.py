@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-from fedsim import flower_env
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
 
-flower_env.apply()  # before anything imports flwr
+import pytest
+import torch
+import torch.nn.functional as F
+from flower_harness import NODE_IDS, FakeGrid, client_context, offline_config, set_task_identity
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-import csv  # noqa: E402
-import os  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
-
-from fedsim import task  # noqa: E402
-from fedsim.capture import find_oracle, list_captures, list_oracles, load_capture  # noqa: E402
-from fedsim.client_app import handle_evaluate, handle_train  # noqa: E402
-from fedsim.models import set_dropout_mode, set_masks  # noqa: E402
-from fedsim.run_config import resolve_config  # noqa: E402
-from fedsim.strategy import CuriousFedAvg  # noqa: E402
-from flower_harness import NODE_IDS, offline_config, FakeGrid, client_context, set_task_identity  # noqa: E402
-
-
+from fedsim import task
+from fedsim.capture import find_oracle, list_captures, list_oracles, load_capture
+from fedsim.client_app import handle_evaluate, handle_train
+from fedsim.models import set_dropout_mode, set_masks
+from fedsim.run_config import resolve_config
+from fedsim.strategy import CuriousFedAvg
 
 
 class InProcessGrid(FakeGrid):
@@ -183,8 +177,7 @@ def test_pyproject_app_config_matches_the_run_config_defaults() -> None:
 
 
 def test_run_config_schema_validates_and_maps_snake_case() -> None:
-    from fedsim.run_config import (DEFAULTS, SCHEMA, RunConfigError, from_run_config, resolve_config,
-                                   to_run_config)
+    from fedsim.run_config import DEFAULTS, SCHEMA, RunConfigError, from_run_config, resolve_config, to_run_config
 
     assert [s.key for s in SCHEMA] == list(DEFAULTS) and len(DEFAULTS) == len(SCHEMA)
     assert all(s.describe() for s in SCHEMA if s.choices or s.range)

@@ -21,9 +21,9 @@ from fedsim.models import model_family
 
 from ..attacks import AttackConfig
 from ..curves import SSIMCurve
-from .inversion import CHECKPOINT_EVERY, InversionModule
-from .gradients import PerJobGradients
 from ..jobs import JobResult, Oracle, VictimJob, model_from_job
+from .gradients import PerJobGradients
+from .inversion import CHECKPOINT_EVERY, InversionModule
 
 log = logging.getLogger(__name__)
 

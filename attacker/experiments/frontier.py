@@ -16,6 +16,7 @@ from fedsim.run_config import resolve_config, to_run_config
 from ..report import figure_png
 from .spec import Cell
 
+
 def defense_fields(out: Path, cell: Cell) -> dict[str, Any]:
     """The defense columns of a cell's rows (empty for a cell without its own federation)."""
     if not cell.federation:

@@ -12,15 +12,15 @@ registers its dropout layers in forward-pass order, so masks lists are in forwar
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from enum import Enum
-from typing import Iterator, Sequence
+from enum import StrEnum
 
 import torch
 from torch import Tensor, nn
 
 
-class DropoutMode(str, Enum):
+class DropoutMode(StrEnum):
     AUTO = "auto"  # like nn.Dropout: sample in train mode, identity in eval mode
     SAMPLE = "sample"  # standard inverted dropout, in train and eval mode alike
     RECORD = "record"  # sample, and keep this pass's binary mask (batch dimension included)

@@ -44,7 +44,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         unknown = set(data) - {"name", "dataset", "p", "seed", "options"}
         if unknown:
             raise ModelSpecError(f"unknown model spec keys: {sorted(unknown)}")
