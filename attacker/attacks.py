@@ -43,11 +43,17 @@ class AttackConfig:
         if self.masks not in MASK_MODES:
             raise AttackConfigError(f"attack {self.name}: masks must be one of {tuple(MASK_MODES)}, got {self.masks!r}")
         if self.distance not in DISTANCES:
-            raise AttackConfigError(f"attack {self.name}: distance must be one of {tuple(DISTANCES)}, got {self.distance!r}")
+            raise AttackConfigError(
+                f"attack {self.name}: distance must be one of {tuple(DISTANCES)}, got {self.distance!r}"
+            )
         if self.replay_order not in REPLAY_ORDERS:
-            raise AttackConfigError(f"attack {self.name}: replay_order must be one of {REPLAY_ORDERS}, got {self.replay_order!r}")
+            raise AttackConfigError(
+                f"attack {self.name}: replay_order must be one of {REPLAY_ORDERS}, got {self.replay_order!r}"
+            )
         if self.mask_init not in MASK_INITS:
-            raise AttackConfigError(f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}")
+            raise AttackConfigError(
+                f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}"
+            )
         for key in ("max_iterations", "patience", "plateau_patience"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -44,27 +44,41 @@ def replay_plan(capture: Capture, replay_order: str = "known") -> LocalPlan:
         plan = local_plan(cfg, one_step=False, seed=0)
     except (RunConfigError, LocalPlanError) as err:
         raise CaptureError(f"capture {capture.path}: the replay cannot run this update ({err})") from None
-    if plan.schedule.order == "shuffled" and plan.schedule.epochs > 1 and plan.schedule.max_steps == 0 \
-            and plan.schedule.batch_size and plan.schedule.batch_size < capture.num_examples:
+    if (
+        plan.schedule.order == "shuffled"
+        and plan.schedule.epochs > 1
+        and plan.schedule.max_steps == 0
+        and plan.schedule.batch_size
+        and plan.schedule.batch_size < capture.num_examples
+    ):
         # Within one epoch a shuffled order is only a relabelling of the dummies; across epochs the
         # replay has to tie each epoch's copy of an image without knowing where it went.
         if replay_order == "known":
-            raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs; a "
-                               "known batch order cannot replay it (attack it with attack_overrides: "
-                               "{replay_order: unknown}, or --replay-order unknown)")
+            raise CaptureError(
+                f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs; a "
+                "known batch order cannot replay it (attack it with attack_overrides: "
+                "{replay_order: unknown}, or --replay-order unknown)"
+            )
         if capture.step_labels is None:
-            raise CaptureError(f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs and "
-                               "the capture lacks per-step labels, which the unknown batch order needs")
+            raise CaptureError(
+                f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs and "
+                "the capture lacks per-step labels, which the unknown batch order needs"
+            )
     plan = replace(plan, schedule=replace(plan.schedule, order="in-order"), record_masks=False)
     steps = len(plan.schedule.batches(capture.num_examples, 0))
     if steps != capture.local_steps:
-        raise CaptureError(f"capture {capture.path}: the hyperparameters give {steps} local steps on "
-                           f"{capture.num_examples} images, the client reported {capture.local_steps}")
+        raise CaptureError(
+            f"capture {capture.path}: the hyperparameters give {steps} local steps on "
+            f"{capture.num_examples} images, the client reported {capture.local_steps}"
+        )
     return plan
 
 
 def jobs_from_captures(
-    paths: list[Path], run_dir: Path | None = None, label_policy: str = "known", skip_bad: bool = False,
+    paths: list[Path],
+    run_dir: Path | None = None,
+    label_policy: str = "known",
+    skip_bad: bool = False,
     replay_order: str = "known",
 ) -> tuple[list[VictimJob], list[Oracle | None], list[str]]:
     """Load captures as jobs: a one-step gradient, or an update with the local round to replay.
@@ -108,8 +122,13 @@ def jobs_from_captures(
         # What the capture holds under its defense, and the attacker's standard adaptation to it
         # (clipping: none, the cosine distance ignores the scale; noise: attacked as is; pruning:
         # match only the surviving entries). Named in the attack report (attacker.scoring).
-        meta = {"round": capture.round, "client": capture.client, "capture": str(path),
-                "defense": defense.name, "adaptation": defense.adaptation}
+        meta = {
+            "round": capture.round,
+            "client": capture.client,
+            "capture": str(path),
+            "defense": defense.name,
+            "adaptation": defense.adaptation,
+        }
         count = capture.label_count
         if label_policy == "known" and capture.labels is not None:
             labels = capture.labels.long()
@@ -117,11 +136,30 @@ def jobs_from_captures(
                 # The replay runs its steps in order over the dummies, so dummy i takes the label of the
                 # image the client used i-th (its first epoch); for in-order batches that is the same.
                 labels = capture.step_labels[:count].long()
-            job = VictimJob(job_id, capture.spec, weights, shared, labels, "known", meta, plan,
-                            match_support=defense.match_support, step_labels=capture.step_labels)
+            job = VictimJob(
+                job_id,
+                capture.spec,
+                weights,
+                shared,
+                labels,
+                "known",
+                meta,
+                plan,
+                match_support=defense.match_support,
+                step_labels=capture.step_labels,
+            )
         else:
-            job = VictimJob(job_id, capture.spec, weights, shared, torch.zeros(count, dtype=torch.long), "recovered",
-                            meta, plan, match_support=defense.match_support)
+            job = VictimJob(
+                job_id,
+                capture.spec,
+                weights,
+                shared,
+                torch.zeros(count, dtype=torch.long),
+                "recovered",
+                meta,
+                plan,
+                match_support=defense.match_support,
+            )
             # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
             job.labels = recover_labels(model_from_job(job), shared, count)
         oracle = None

@@ -1,13 +1,13 @@
 """`attacker`: run gradient inversion attacks from the command line.
 
-  attacker demo                      the main job: IG (eval), WIIG and DIA on MNIST victims of an MLP, p = 0.25
-  attacker demo --capture-kind update  the same on a FedAvg training round (4 local steps, fresh masks per step)
-  attacker run CONFIG.yaml           an attack config (see configs/attacks/)
-  attacker run --model vit --dataset cifar10 --p 0.25 --paper-victims   (the paper's victims, fetched on first use)
-  attacker watch RUN_DIR             attack a federated run's captures live, as the curious server writes them
-  attacker presets                   the attack presets and their defaults
-  attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 2000
-                                     a paper experiment: every cell, resumable, results.md beside the paper
+attacker demo                      the main job: IG (eval), WIIG and DIA on MNIST victims of an MLP, p = 0.25
+attacker demo --capture-kind update  the same on a FedAvg training round (4 local steps, fresh masks per step)
+attacker run CONFIG.yaml           an attack config (see configs/attacks/)
+attacker run --model vit --dataset cifar10 --p 0.25 --paper-victims   (the paper's victims, fetched on first use)
+attacker watch RUN_DIR             attack a federated run's captures live, as the curious server writes them
+attacker presets                   the attack presets and their defaults
+attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 2000
+                                   a paper experiment: every cell, resumable, results.md beside the paper
 """
 
 from __future__ import annotations
@@ -36,7 +36,16 @@ from .live import watch
 from .pipeline import RunDirError, run_attack
 from .story import run_story
 
-USER_ERRORS = (CaptureError, CheckpointError, ConfigError, DataUnavailableError, VictimFileError, ModelSpecError, AttackConfigError, RunDirError)
+USER_ERRORS = (
+    CaptureError,
+    CheckpointError,
+    ConfigError,
+    DataUnavailableError,
+    VictimFileError,
+    ModelSpecError,
+    AttackConfigError,
+    RunDirError,
+)
 
 DEMO: dict[str, Any] = {
     "victims": {"source": "builtin", "model": "mlp", "dataset": "mnist", "p": 0.25, "victim_batch_size": 1, "count": 8},
@@ -51,7 +60,9 @@ console = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attacker", description="Gradient inversion attacks (IG, WIIG, DIA, APRIL) on federated gradients.")
+    parser = argparse.ArgumentParser(
+        prog="attacker", description="Gradient inversion attacks (IG, WIIG, DIA, APRIL) on federated gradients."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def shared(p: argparse.ArgumentParser, key: str) -> None:
@@ -76,53 +87,98 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an attack config")
     run.add_argument("config", nargs="?", help="YAML attack config")
     common(run)
-    run.add_argument("--paper-victims", action="store_true",
-                     help="the paper's victims of --dataset, from <data-root>/dia-victims (fetched with a pinned "
-                          "SHA-256 on first use, or by `make victims`; DLA_OFFLINE=1 turns fetching off)")
-    run.add_argument("--replay-order", choices=REPLAY_ORDERS,
-                     help="update captures: known (in-order batches; default) or unknown (one dummy copy per epoch)")
+    run.add_argument(
+        "--paper-victims",
+        action="store_true",
+        help="the paper's victims of --dataset, from <data-root>/dia-victims (fetched with a pinned "
+        "SHA-256 on first use, or by `make victims`; DLA_OFFLINE=1 turns fetching off)",
+    )
+    run.add_argument(
+        "--replay-order",
+        choices=REPLAY_ORDERS,
+        help="update captures: known (in-order batches; default) or unknown (one dummy copy per epoch)",
+    )
     demo = sub.add_parser("demo", help="the main job: federated training with dropout, capture, IG/WIIG/DIA, report")
     common(demo)
-    demo.add_argument("--offline-victims", action="store_true",
-                      help="skip the federation: attack victims from a client's partition directly")
-    demo.add_argument("--capture-kind", choices=SETTINGS["capture-kind"].choices, default="gradient",
-                      help="gradient: the paper's one-step round; update: a FedAvg training round of 4 local SGD "
-                           "steps with fresh masks per step, attacked by replaying the steps")
+    demo.add_argument(
+        "--offline-victims",
+        action="store_true",
+        help="skip the federation: attack victims from a client's partition directly",
+    )
+    demo.add_argument(
+        "--capture-kind",
+        choices=SETTINGS["capture-kind"].choices,
+        default="gradient",
+        help="gradient: the paper's one-step round; update: a FedAvg training round of 4 local SGD "
+        "steps with fresh masks per step, attacked by replaying the steps",
+    )
     watch = sub.add_parser("watch", help="attack a federated run's captures live, as they arrive")
     watch.add_argument("run_dir", help="the federated run folder (its captures/ is read, never written)")
     common(watch)
     watch.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the run folder")
     watch.add_argument("--timeout", type=float, help="give up after this many seconds")
     sub.add_parser("presets", help="list the attack presets")
-    exp = sub.add_parser("experiment", help="run a paper experiment (configs/experiments/*.yaml): cells, resume, report")
+    exp = sub.add_parser(
+        "experiment", help="run a paper experiment (configs/experiments/*.yaml): cells, resume, report"
+    )
     exp.add_argument("configs", nargs="+", metavar="CONFIG", help="experiment YAML file(s)")
     exp.add_argument("--out", help="output folder (default: runs/experiments/<names>)")
-    exp.add_argument("--victims", type=int, help="victim images per cell, rounded up to a multiple of B (default: the config's, paper 128)")
+    exp.add_argument(
+        "--victims",
+        type=int,
+        help="victim images per cell, rounded up to a multiple of B (default: the config's, paper 128)",
+    )
     exp.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
     exp.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu or gpu")
-    exp.add_argument("--cells", nargs="+", default=[], metavar="FILTER",
-                     help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, or else a substring")
+    exp.add_argument(
+        "--cells",
+        nargs="+",
+        default=[],
+        metavar="FILTER",
+        help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, or else a substring",
+    )
     exp.add_argument("--include-optional", action="store_true", help="also run optional cells (ViT-B/16, MLP in fig5c)")
-    exp.add_argument("--victim-source", choices=["paper", "builtin", "federated"], default="paper",
-                     help="paper: the paper's victims in <data-root>/dia-victims (fetched on first use); builtin: "
-                          "victims from a client's partition; "
-                          "federated: the curious server's captures of a one-round Flower simulation")
+    exp.add_argument(
+        "--victim-source",
+        choices=["paper", "builtin", "federated"],
+        default="paper",
+        help="paper: the paper's victims in <data-root>/dia-victims (fetched on first use); builtin: "
+        "victims from a client's partition; "
+        "federated: the curious server's captures of a one-round Flower simulation",
+    )
     exp.add_argument("--data-root", default="data", help="dataset folder for builtin victims and federated training")
-    exp.add_argument("--no-accuracy", action="store_true", help="skip the federated training of Table 1's accuracy column")
-    exp.add_argument("--fl-rounds", type=int, default=3, help="federated rounds for the accuracy column (paper: to convergence)")
+    exp.add_argument(
+        "--no-accuracy", action="store_true", help="skip the federated training of Table 1's accuracy column"
+    )
+    exp.add_argument(
+        "--fl-rounds", type=int, default=3, help="federated rounds for the accuracy column (paper: to convergence)"
+    )
     exp.add_argument("--fl-local-steps", type=int, default=0, help="> 0: local batches per round instead of one epoch")
     exp.add_argument("--fl-clients", type=int, help="clients of the federation (default: the config's, paper 10)")
     exp.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
     exp.add_argument("--seed", type=int, default=0)
     exp.add_argument("--report-only", action="store_true", help="rewrite results.md/csv and figures from what has run")
     exp.add_argument("--quiet", action="store_true", help="no per-cell progress bars")
-    exp.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                     help="run the cells as Ray tasks: on a local Ray started for the run (no ADDRESS), or on an "
-                          "existing cluster (ray://HOST:10001, HOST:6379 or auto); paths must be the same on every node")
+    exp.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the cells as Ray tasks: on a local Ray started for the run (no ADDRESS), or on an "
+        "existing cluster (ray://HOST:10001, HOST:6379 or auto); paths must be the same on every node",
+    )
     exp.add_argument("--ray-cpus-per-task", type=float, help="CPUs each cell's task asks for (default 1)")
-    exp.add_argument("--ray-gpus-per-task", type=float,
-                     help="GPUs each cell's task asks for; fractions share a GPU, e.g. 0.25 for the MLP (default 0)")
-    exp.add_argument("--ray-max-retries", type=int, help="reruns of a cell whose worker dies, resuming from its checkpoints (default 2)")
+    exp.add_argument(
+        "--ray-gpus-per-task",
+        type=float,
+        help="GPUs each cell's task asks for; fractions share a GPU, e.g. 0.25 for the MLP (default 0)",
+    )
+    exp.add_argument(
+        "--ray-max-retries",
+        type=int,
+        help="reruns of a cell whose worker dies, resuming from its checkpoints (default 2)",
+    )
     exp.add_argument("--ray-local-cpus", type=int, help="CPUs of the local Ray (default: all of this machine's)")
     exp.add_argument("--ray-timeout", type=float, help="seconds to wait for an existing cluster to answer (default 20)")
     return parser
@@ -149,13 +205,29 @@ def _experiment(args: argparse.Namespace) -> int:
     names = [e.name for e in experiments]
     if len(set(names)) != len(names):
         raise ConfigError(f"experiment names repeat: {names}")
-    settings = Settings(victims=args.victims, iterations=args.iterations, device=args.device,
-                        victim_source=args.victim_source, data_root=args.data_root, lpips=not args.no_lpips,
-                        cells=list(args.cells), include_optional=args.include_optional, accuracy=not args.no_accuracy,
-                        fl_rounds=args.fl_rounds, fl_local_steps=args.fl_local_steps, fl_clients=args.fl_clients,
-                        progress=not args.quiet, seed=args.seed)
-    ray_fields = {"ray_cpus_per_task": "cpus_per_task", "ray_gpus_per_task": "gpus_per_task",
-                  "ray_max_retries": "max_retries", "ray_local_cpus": "local_cpus", "ray_timeout": "connect_timeout_s"}
+    settings = Settings(
+        victims=args.victims,
+        iterations=args.iterations,
+        device=args.device,
+        victim_source=args.victim_source,
+        data_root=args.data_root,
+        lpips=not args.no_lpips,
+        cells=list(args.cells),
+        include_optional=args.include_optional,
+        accuracy=not args.no_accuracy,
+        fl_rounds=args.fl_rounds,
+        fl_local_steps=args.fl_local_steps,
+        fl_clients=args.fl_clients,
+        progress=not args.quiet,
+        seed=args.seed,
+    )
+    ray_fields = {
+        "ray_cpus_per_task": "cpus_per_task",
+        "ray_gpus_per_task": "gpus_per_task",
+        "ray_max_retries": "max_retries",
+        "ray_local_cpus": "local_cpus",
+        "ray_timeout": "connect_timeout_s",
+    }
     ray_given = {flag: getattr(args, flag) for flag in ray_fields if getattr(args, flag) is not None}
     if args.ray is None and ray_given:
         raise ConfigError(f"--{next(iter(ray_given)).replace('_', '-')} needs --ray")
@@ -171,18 +243,30 @@ def _experiment(args: argparse.Namespace) -> int:
     try:
         result = run_experiments(experiments, out, settings, log=lambda m: console.print(m, highlight=False), ray=ray)
     except ClusterLostError as err:  # not the user's input: exit 1, like failed cells; what finished is kept
-        console.print(f"[bold red]error:[/bold red] {err}; the finished cells are kept in {out}, run the same command "
-                      f"again to go on", highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold red]error:[/bold red] {err}; the finished cells are kept in {out}, run the same command "
+            f"again to go on",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 1
-    console.print(f"{result['cells']} cells: {result['ran']} run, {result['skipped']} already finished (skipped), "
-                  f"{result['failed']} failed; {result['seconds']:.0f} s. Report: [bold]{result['report']}[/bold]")
+    console.print(
+        f"{result['cells']} cells: {result['ran']} run, {result['skipped']} already finished (skipped), "
+        f"{result['failed']} failed; {result['seconds']:.0f} s. Report: [bold]{result['report']}[/bold]"
+    )
     return 1 if result["failed"] else 0
 
 
 def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     victims = dict(data.get("victims") or {})
-    for arg, key in (("model", "model"), ("dataset", "dataset"), ("p", "p"), ("victim_batch_size", "victim_batch_size"),
-                     ("victims", "count"), ("data_root", "data_root")):
+    for arg, key in (
+        ("model", "model"),
+        ("dataset", "dataset"),
+        ("p", "p"),
+        ("victim_batch_size", "victim_batch_size"),
+        ("victims", "count"),
+        ("data_root", "data_root"),
+    ):
         value = getattr(args, arg)
         if value is not None:
             victims[key] = value
@@ -213,19 +297,45 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
 def _print_summary(result: dict[str, Any]) -> None:
     table = Table(title=f"Results ({result['seconds']:.0f} s) — SSIM in paper space (normalized) and [0,1] space")
-    for col in ("attack", "model", "p", "B", "victims", "SSIM paper", "SSIM [0,1]", "PSNR paper", "LPIPS", "MMD", "TRD", "values"):
+    for col in (
+        "attack",
+        "model",
+        "p",
+        "B",
+        "victims",
+        "SSIM paper",
+        "SSIM [0,1]",
+        "PSNR paper",
+        "LPIPS",
+        "MMD",
+        "TRD",
+        "values",
+    ):
         table.add_column(col, justify="right" if col not in ("attack", "model") else "left")
 
     def cell(e: dict, key: str, digits: int = 3) -> str:
         return f"{e[key + '_mean']:.{digits}f} ± {e[key + '_std']:.{digits}f}" if key + "_mean" in e else "–"
 
     for e in result["summary"]:
-        table.add_row(e["attack"], f"{e['model']}/{e['dataset']}", str(e["p"]), str(e["batch_size"]), str(e["victims"]),
-                      cell(e, "ssim_paper"), cell(e, "ssim_std"), cell(e, "psnr_paper", 2), cell(e, "lpips"),
-                      cell(e, "mmd"), cell(e, "trd"), f"{e['optimized_values']:,}")
+        table.add_row(
+            e["attack"],
+            f"{e['model']}/{e['dataset']}",
+            str(e["p"]),
+            str(e["batch_size"]),
+            str(e["victims"]),
+            cell(e, "ssim_paper"),
+            cell(e, "ssim_std"),
+            cell(e, "psnr_paper", 2),
+            cell(e, "lpips"),
+            cell(e, "mmd"),
+            cell(e, "trd"),
+            f"{e['optimized_values']:,}",
+        )
     console.print(table)
     run_dir = Path(result["run_dir"])
-    console.print(f"run folder: [bold]{run_dir}[/bold]  (report.md, grid.png, loss_curves.png, metrics.csv, summary.csv)")
+    console.print(
+        f"run folder: [bold]{run_dir}[/bold]  (report.md, grid.png, loss_curves.png, metrics.csv, summary.csv)"
+    )
 
 
 def _quiet_libraries() -> None:
@@ -252,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         for col in ("name", "masks", "distance", "lambda_pos", "lambda_mask", "lr", "max_iterations"):
             table.add_column(col)
         for name, a in PRESETS.items():
-            table.add_row(name, a.masks, a.distance, str(a.lambda_pos), str(a.lambda_mask), str(a.lr), str(a.max_iterations))
+            table.add_row(
+                name, a.masks, a.distance, str(a.lambda_pos), str(a.lambda_mask), str(a.lr), str(a.max_iterations)
+            )
         console.print(table)
         return 0
     _quiet_libraries()
@@ -263,10 +375,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo" and not args.offline_victims:
             out = Path(args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
             overrides = {"max_iterations": args.iterations} if args.iterations else {}
-            result = run_story(out, attack_overrides=overrides, lpips=not args.no_lpips, data_root=args.data_root or "data",
-                               # a bar only on a terminal: piped to a file its last frame is left as clutter
-                               device=args.device or "auto", progress=not args.quiet and console.is_terminal,
-                               log=lambda m: console.print(m), num_clients=args.victims, capture_kind=args.capture_kind)
+            result = run_story(
+                out,
+                attack_overrides=overrides,
+                lpips=not args.no_lpips,
+                data_root=args.data_root or "data",
+                # a bar only on a terminal: piped to a file its last frame is left as clutter
+                device=args.device or "auto",
+                progress=not args.quiet and console.is_terminal,
+                log=lambda m: console.print(m),
+                num_clients=args.victims,
+                capture_kind=args.capture_kind,
+            )
             _print_summary(result)
             console.print(f"main job report: [bold]{out / 'report.md'}[/bold]")
             return 0
@@ -281,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "watch":
             if not Path(args.run_dir).is_dir():
                 raise ConfigError(f"{args.run_dir} is not a folder (expected a federated run folder)")
-            summaries = watch(args.run_dir, out, cfg, poll_s=args.poll, timeout_s=args.timeout,
-                              log=lambda m: console.print(m))
+            summaries = watch(
+                args.run_dir, out, cfg, poll_s=args.poll, timeout_s=args.timeout, log=lambda m: console.print(m)
+            )
             for result in summaries:
                 _print_summary(result)
             return 0

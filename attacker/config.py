@@ -94,7 +94,9 @@ def _check_keys(data: dict, cls: type, where: str) -> None:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(where + '.' + k if where else k for k in unknown)}; allowed: {sorted(known)}")
+        raise ConfigError(
+            f"unknown key(s) {', '.join(where + '.' + k if where else k for k in unknown)}; allowed: {sorted(known)}"
+        )
 
 
 def _expect(value: Any, types: type | tuple, key: str) -> None:
@@ -113,7 +115,9 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     victims = dict(victims)
     if not isinstance(data.get("attack_overrides") or {}, dict):
         raise ConfigError("attack_overrides must be a mapping of attack settings")
-    if "attacks" in data and (not isinstance(data["attacks"], list) or not all(isinstance(a, str) for a in data["attacks"])):
+    if "attacks" in data and (
+        not isinstance(data["attacks"], list) or not all(isinstance(a, str) for a in data["attacks"])
+    ):
         raise ConfigError("attacks must be a list of attack names")
     for key, types in (("model", str), ("dataset", str), ("source", str), ("data_root", str)):
         if key in victims:
@@ -128,8 +132,10 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     if v.source not in VICTIM_SOURCES:
         raise ConfigError(f"victims.source must be one of {', '.join(VICTIM_SOURCES)}, got {v.source!r}")
     if v.source == "paper" and v.dataset not in PAPER_VICTIMS:
-        raise ConfigError(f"victims.source 'paper' needs a dataset with the paper's victims "
-                          f"({', '.join(PAPER_VICTIMS)}), got {v.dataset!r}")
+        raise ConfigError(
+            f"victims.source 'paper' needs a dataset with the paper's victims "
+            f"({', '.join(PAPER_VICTIMS)}), got {v.dataset!r}"
+        )
     if v.source == "file" and not v.file:
         raise ConfigError("victims.file is required when victims.source is 'file'")
     if v.source == "captures" and not v.captures:
@@ -139,13 +145,17 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     if v.victim_batch_size <= 0:
         raise ConfigError(f"victims.victim_batch_size must be positive, got {v.victim_batch_size}")
     if v.count <= 0 or v.count % v.victim_batch_size:
-        raise ConfigError(f"victims.count must be a positive multiple of victim_batch_size ({v.victim_batch_size}), got {v.count}")
+        raise ConfigError(
+            f"victims.count must be a positive multiple of victim_batch_size ({v.victim_batch_size}), got {v.count}"
+        )
     if v.local_round is not None:
         if not isinstance(v.local_round, dict):
             raise ConfigError("victims.local_round must be a mapping of local-training settings")
         unknown = sorted(set(v.local_round) - LOCAL_ROUND_KEYS)
         if unknown:
-            raise ConfigError(f"unknown key(s) victims.local_round.{', '.join(unknown)}; allowed: {sorted(LOCAL_ROUND_KEYS)}")
+            raise ConfigError(
+                f"unknown key(s) victims.local_round.{', '.join(unknown)}; allowed: {sorted(LOCAL_ROUND_KEYS)}"
+            )
         if v.source == "captures":
             raise ConfigError("victims.local_round describes offline victims; captures carry their own round")
         try:

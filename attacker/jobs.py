@@ -25,7 +25,9 @@ class VictimJob:
     job_id: str
     spec: ModelSpec
     weights: dict[str, Tensor]  # the global weights the server sent (shared between jobs, not copied)
-    gradient: list[Tensor]  # what the client shared, in model.parameters() order: its gradient, or with a plan its update
+    gradient: list[
+        Tensor
+    ]  # what the client shared, in model.parameters() order: its gradient, or with a plan its update
     labels: Tensor  # (B,): for an update, the labels of the client's N images in order
     label_source: str = "known"  # "known" or "recovered"
     meta: dict = field(default_factory=dict)
@@ -104,21 +106,30 @@ def unknown_order(job: VictimJob) -> VictimJob:
     if plan is None or job.copies > 1:
         return job
     if job.step_labels is None:
-        raise BatchOrderError(f"job {job.job_id}: an unknown batch order needs the labels of every step's "
-                              "images, and this victim lacks per-step labels")
+        raise BatchOrderError(
+            f"job {job.job_id}: an unknown batch order needs the labels of every step's "
+            "images, and this victim lacks per-step labels"
+        )
     in_order = replace(plan, schedule=replace(plan.schedule, order="in-order"))
     sizes = [len(b) for b in plan_batches(in_order, n)]
     total = sum(sizes)
     if total % n or int(job.step_labels.numel()) != total:
-        raise BatchOrderError(f"job {job.job_id}: an unknown batch order needs whole epochs and one label per "
-                              f"image of every step ({total} images in the steps, N = {n}, "
-                              f"{int(job.step_labels.numel())} step labels)")
+        raise BatchOrderError(
+            f"job {job.job_id}: an unknown batch order needs whole epochs and one label per "
+            f"image of every step ({total} images in the steps, N = {n}, "
+            f"{int(job.step_labels.numel())} step labels)"
+        )
     batches, start = [], 0
     for size in sizes:
         batches.append(tuple(range(start, start + size)))
         start += size
-    return replace(job, labels=job.step_labels.long().clone(), plan=replace(in_order, batches=tuple(batches)),
-                   copies=total // n, meta=dict(job.meta, replay_order="unknown"))
+    return replace(
+        job,
+        labels=job.step_labels.long().clone(),
+        plan=replace(in_order, batches=tuple(batches)),
+        copies=total // n,
+        meta=dict(job.meta, replay_order="unknown"),
+    )
 
 
 def merge_copies(images: Tensor, copies: int) -> Tensor:
@@ -163,8 +174,9 @@ def jobs_from_images(
         # The client's round, as in the federation (fedsim's client step).
         data, job_seed = TensorDataset(images, labels), seed * 100_003 + i
         if plan is None:  # one plain SGD step on the batch
-            (step,) = run_local_round(model, data, one_step_plan(1.0, seed=job_seed, float64=False,
-                                                                 keep_gradients=True)).steps
+            (step,) = run_local_round(
+                model, data, one_step_plan(1.0, seed=job_seed, float64=False, keep_gradients=True)
+            ).steps
             shared, masks, job_plan, step_labels = step.gradient, tuple(step.masks), None, None
         else:
             job_plan = replace(plan, seed=job_seed, record_masks=True)
@@ -172,8 +184,19 @@ def jobs_from_images(
             shared = [result.update[n] for n in names]
             masks = tuple(m for step in result.steps for m in step.masks)
             step_labels = labels[torch.tensor([k for step in result.steps for k in step.indices])].long()
-        jobs.append(VictimJob(f"{prefix}{i:03d}", spec, weights, shared, labels.clone(), "known", {"index": i},
-                              job_plan, step_labels=step_labels))
+        jobs.append(
+            VictimJob(
+                f"{prefix}{i:03d}",
+                spec,
+                weights,
+                shared,
+                labels.clone(),
+                "known",
+                {"index": i},
+                job_plan,
+                step_labels=step_labels,
+            )
+        )
         oracles.append(Oracle(images.clone(), masks))
     return jobs, oracles
 

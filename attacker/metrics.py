@@ -83,9 +83,7 @@ def _check_pair(originals: Tensor, recons: Tensor) -> None:
         )
 
 
-def image_metrics(
-    originals: Tensor, recons: Tensor, mean: Sequence[float], std: Sequence[float]
-) -> dict[str, Tensor]:
+def image_metrics(originals: Tensor, recons: Tensor, mean: Sequence[float], std: Sequence[float]) -> dict[str, Tensor]:
     """Per-image SSIM, PSNR and MSE in both value spaces, pairing ``originals[i]`` with ``recons[i]``.
 
     Both inputs are *normalized* tensors (as fed to the model). Returns a dict with the keys of
@@ -100,12 +98,10 @@ def image_metrics(
     for space, a, b, rng in (("paper", x, y, dr), ("std", x01, y01, 1.0)):
         # A float data_range (not a tuple) means torchmetrics does not clamp the inputs,
         # which is what we want for the unbounded normalized space.
-        out[f"ssim_{space}"] = structural_similarity_index_measure(
-            b, a, data_range=rng, reduction="none"
-        ).reshape(-1)
-        out[f"psnr_{space}"] = peak_signal_noise_ratio(
-            b, a, data_range=rng, reduction="none", dim=(1, 2, 3)
-        ).reshape(-1)
+        out[f"ssim_{space}"] = structural_similarity_index_measure(b, a, data_range=rng, reduction="none").reshape(-1)
+        out[f"psnr_{space}"] = peak_signal_noise_ratio(b, a, data_range=rng, reduction="none", dim=(1, 2, 3)).reshape(
+            -1
+        )
         out[f"mse_{space}"] = per_image_mse(a, b)
     return {k: out[k] for k in IMAGE_METRICS}
 
@@ -292,9 +288,7 @@ class LpipsScorer:
             try:
                 self._load_backbone(model, weights)
             except Exception as exc:  # noqa: BLE001 - a corrupt file must not crash a run
-                self._mark_unavailable(
-                    weights, f"the file could not be loaded ({type(exc).__name__}: {exc})"
-                )
+                self._mark_unavailable(weights, f"the file could not be loaded ({type(exc).__name__}: {exc})")
                 return
         model.eval().requires_grad_(False)
         self._model = model
@@ -307,7 +301,7 @@ class LpipsScorer:
         for slice_ in model.net.children():
             for name, module in slice_.named_children():
                 prefix = f"features.{name}."
-                sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
                 module.load_state_dict(sub, strict=True)
 
     @torch.no_grad()
@@ -372,9 +366,9 @@ def summarize(values: Sequence[float] | Tensor | np.ndarray) -> tuple[float, flo
 
     With +inf present (a perfect PSNR) the mean is inf and the std nan.
     """
-    arr = np.asarray(
-        values.detach().cpu().numpy() if isinstance(values, Tensor) else values, dtype=np.float64
-    ).reshape(-1)
+    arr = np.asarray(values.detach().cpu().numpy() if isinstance(values, Tensor) else values, dtype=np.float64).reshape(
+        -1
+    )
     arr = arr[~np.isnan(arr)]
     if arr.size == 0:
         return math.nan, math.nan

@@ -56,7 +56,9 @@ def build_victims(cfg: RunConfig, log: Callable[[str], Any] | None = None) -> li
         if inputs.shape[0] < v.count:
             raise ConfigError(f"victim file {path} holds {inputs.shape[0]} images, fewer than victims.count={v.count}")
         if int(targets.max()) >= spec.num_classes:
-            raise ConfigError(f"victim file {path} has labels up to {int(targets.max())}, the model has {spec.num_classes} classes")
+            raise ConfigError(
+                f"victim file {path} has labels up to {int(targets.max())}, the model has {spec.num_classes} classes"
+            )
         b = v.victim_batch_size
         return [(inputs[i : i + b], targets[i : i + b]) for i in range(0, v.count, b)]
     dataset = load_dataset(v.dataset, v.data_root, train=True, channels=channels)
@@ -92,8 +94,13 @@ def load_jobs(
         # live attacks (``only``) report a bad capture and attack the others; a whole run refuses it
         # a capture shuffled across epochs is refused unless every attack takes the batch order as unknown
         order = "unknown" if all(a.replay_order == "unknown" for a in cfg.attack_configs()) else "known"
-        jobs, oracles, skipped = jobs_from_captures(paths, Path(v.captures), cfg.labels,  # type: ignore[arg-type]
-                                                    skip_bad=only is not None, replay_order=order)
+        jobs, oracles, skipped = jobs_from_captures(
+            paths,
+            Path(v.captures),
+            cfg.labels,  # type: ignore[arg-type]
+            skip_bad=only is not None,
+            replay_order=order,
+        )
         for note in skipped:
             log(f"skipped {note}")
         if not jobs:
@@ -116,8 +123,10 @@ def _unroll_cap(jobs: list[VictimJob], limit_gb: float) -> int:
     per_job = unroll_bytes(model_from_job(job), tuple(job.spec.input_shape), job.steps)
     limit = limit_gb * 2**30
     if per_job > limit:
-        raise ConfigError(f"the local round of {len(job.steps)} steps on {job.batch_size} images is too large to unroll: "
-                          f"about {per_job / 2**30:.1f} GB per job, limit {limit_gb:g} GB (max_unroll_gb)")
+        raise ConfigError(
+            f"the local round of {len(job.steps)} steps on {job.batch_size} images is too large to unroll: "
+            f"about {per_job / 2**30:.1f} GB per job, limit {limit_gb:g} GB (max_unroll_gb)"
+        )
     return max(1, int(limit // per_job))
 
 
@@ -185,21 +194,38 @@ def run_attack(
     atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
     spec = all_jobs[0].spec
     what = "victim batches" if jobs[0].plan is None else f"client updates of {len(jobs[0].steps)} local steps"
-    log(f"{len(all_jobs)} victim jobs: {len(jobs)} {what} x {len(attack_cfgs)} attacks "
-        f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, B={all_jobs[0].batch_size}")
+    log(
+        f"{len(all_jobs)} victim jobs: {len(jobs)} {what} x {len(attack_cfgs)} attacks "
+        f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, B={all_jobs[0].batch_size}"
+    )
     attack_started = time.time()
     results: list[JobResult] = run_jobs(
-        all_jobs, all_attacks, all_oracles, run_dir, seed=cfg.seed, accelerator=cfg.device,
-        checkpoint_every=cfg.checkpoint_every, progress=progress, max_jobs_per_group=group_cap,
+        all_jobs,
+        all_attacks,
+        all_oracles,
+        run_dir,
+        seed=cfg.seed,
+        accelerator=cfg.device,
+        checkpoint_every=cfg.checkpoint_every,
+        progress=progress,
+        max_jobs_per_group=group_cap,
         score_oracles=scoring_oracles,
     )
     iterations = sum(len(r.losses) for r in results)
-    log(f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "
-        f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s")
+    log(
+        f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "
+        f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s"
+    )
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
     rows = score_results(scoring_jobs, scoring_oracles, results, lpips)
-    summary = write_results(run_dir, scoring_jobs, scoring_oracles, results, rows,
-                            title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}")
+    summary = write_results(
+        run_dir,
+        scoring_jobs,
+        scoring_oracles,
+        results,
+        rows,
+        title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}",
+    )
     elapsed = time.time() - started
     atomic_write(run_dir / "run.json", json.dumps({"status": "finished", "started": started, "seconds": elapsed}))
     return {"summary": summary, "rows": rows, "seconds": elapsed, "run_dir": str(run_dir)}

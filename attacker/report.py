@@ -23,8 +23,18 @@ from fedsim.data import denormalize, get_spec  # noqa: E402
 
 from .jobs import JobResult, Oracle, VictimJob  # noqa: E402
 
-SUMMARY_KEYS = ("ssim_paper", "ssim_std", "psnr_paper", "mse_paper", "lpips", "rdlv", "mmd", "trd", "iterations",
-                "iters_to_ssim90")
+SUMMARY_KEYS = (
+    "ssim_paper",
+    "ssim_std",
+    "psnr_paper",
+    "mse_paper",
+    "lpips",
+    "rdlv",
+    "mmd",
+    "trd",
+    "iterations",
+    "iters_to_ssim90",
+)
 
 
 def _captured(defense: str) -> str:
@@ -66,7 +76,14 @@ def summarize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups[(row["attack"], row["model"], row["dataset"], row["p"], row["batch_size"])].append(row)
     summary = []
     for (attack, model, dataset, p, b), members in groups.items():
-        entry: dict[str, Any] = {"attack": attack, "model": model, "dataset": dataset, "p": p, "batch_size": b, "victims": len(members)}
+        entry: dict[str, Any] = {
+            "attack": attack,
+            "model": model,
+            "dataset": dataset,
+            "p": p,
+            "batch_size": b,
+            "victims": len(members),
+        }
         for key in SUMMARY_KEYS:
             vals = [float(m[key]) for m in members if m.get(key) is not None and math.isfinite(float(m[key]))]
             if vals:
@@ -98,7 +115,9 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def image_grid(jobs: list[VictimJob], oracles: list[Oracle | None], results: list[JobResult], max_victims: int = 8) -> bytes:
+def image_grid(
+    jobs: list[VictimJob], oracles: list[Oracle | None], results: list[JobResult], max_victims: int = 8
+) -> bytes:
     """Originals in the first row, then one row per attack, one column per victim image."""
     victims: list[str] = []
     originals: dict[str, torch.Tensor] = {}
@@ -139,7 +158,13 @@ def loss_plot(results: list[JobResult]) -> bytes:
         if not res.losses:
             continue
         color = colors.setdefault(res.attack, f"C{len(colors)}")
-        ax.plot(res.losses, color=color, alpha=0.5, lw=0.8, label=res.attack if res.attack not in ax.get_legend_handles_labels()[1] else None)
+        ax.plot(
+            res.losses,
+            color=color,
+            alpha=0.5,
+            lw=0.8,
+            label=res.attack if res.attack not in ax.get_legend_handles_labels()[1] else None,
+        )
     ax.set_yscale("log")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reconstruction loss")
@@ -162,11 +187,18 @@ def write_results(
     atomic_write(run_dir / "metrics.json", json.dumps(rows, indent=2, default=float))
     atomic_write(run_dir / "summary.csv", csv_text(summary))
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
-    curves = [{"job": r.job_id, "attack": r.attack, "iteration": i, "loss": v} for r in results for i, v in enumerate(r.losses)]
+    curves = [
+        {"job": r.job_id, "attack": r.attack, "iteration": i, "loss": v}
+        for r in results
+        for i, v in enumerate(r.losses)
+    ]
     atomic_write(run_dir / "loss_curves.csv", csv_text(curves) if curves else "job,attack,iteration,loss\n")
     atomic_write(run_dir / "loss_curves.png", loss_plot(results))
-    points = [{"job": r.job_id, "attack": r.attack, "iteration": it, "ssim_paper": s}
-              for r in results for it, s in r.ssim_curve]
+    points = [
+        {"job": r.job_id, "attack": r.attack, "iteration": it, "ssim_paper": s}
+        for r in results
+        for it, s in r.ssim_curve
+    ]
     atomic_write(run_dir / "ssim_curves.csv", csv_text(points) if points else "job,attack,iteration,ssim_paper\n")
     atomic_write(run_dir / "grid.png", image_grid(jobs, oracles, results))
     tensors = {}
@@ -177,8 +209,10 @@ def write_results(
     atomic_write(run_dir / "reconstructions.safetensors", save_safetensors(tensors))
     labels = sorted({r["labels"] for r in rows})
     defended = sorted({(r.get("defense", "none"), r.get("adaptation", "none")) for r in rows} - {("none", "none")})
-    defense_lines = "".join(f"Defense {name}: the server captured {_captured(name)}; the attack's adaptation: "
-                            f"{adaptation}.\n\n" for name, adaptation in defended)
+    defense_lines = "".join(
+        f"Defense {name}: the server captured {_captured(name)}; the attack's adaptation: {adaptation}.\n\n"
+        for name, adaptation in defended
+    )
     report = (
         f"# {title}\n\n"
         f"Labels: {', '.join(labels)}. SSIM/PSNR in *paper space* are computed on normalized tensors with "

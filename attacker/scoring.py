@@ -83,8 +83,10 @@ def prior_images(oracles: list[Oracle | None]) -> dict[str, torch.Tensor]:
         return {}
     total = sum(images.double().sum(0) for images in known.values())
     count = sum(images.shape[0] for images in known.values())
-    return {key: ((total - images.double().sum(0)) / (count - images.shape[0])).to(images.dtype)
-            for key, images in known.items()}
+    return {
+        key: ((total - images.double().sum(0)) / (count - images.shape[0])).to(images.dtype)
+        for key, images in known.items()
+    }
 
 
 def prior_score(originals: torch.Tensor, prior: torch.Tensor, mean: Any, std: Any) -> float:

@@ -47,14 +47,29 @@ ATTACKS = {
 # from a client's victim set of N = 4 images (K = 4 steps). Replaying K steps costs about K times a
 # one-step iteration, so the demo runs 4 clients and 1,000 iterations.
 UPDATE_FEDERATION: dict[str, Any] = dict(
-    FEDERATION, **{"num-clients": 4, "capture-kind": "update", "capture-images": 4, "batch-size": 1,
-                   "optimizer": "sgd", "lr": 0.01})  # shuffled batches: in-order ones see a class-sorted partition
+    FEDERATION,
+    **{
+        "num-clients": 4,
+        "capture-kind": "update",
+        "capture-images": 4,
+        "batch-size": 1,
+        "optimizer": "sgd",
+        "lr": 0.01,
+    },
+)  # shuffled batches: in-order ones see a class-sorted partition
 UPDATE_ATTACKS = {"attacks": ["ig_eval", "wiig", "dia", "dia_onestep"], "attack_overrides": {"max_iterations": 1000}}
 
 
 def run_story(
-    out: Path, *, attack_overrides: dict[str, Any] | None = None, lpips: bool = True, data_root: str = "data",
-    device: str = "auto", progress: bool = True, log: Callable[[str], Any] = print, num_clients: int | None = None,
+    out: Path,
+    *,
+    attack_overrides: dict[str, Any] | None = None,
+    lpips: bool = True,
+    data_root: str = "data",
+    device: str = "auto",
+    progress: bool = True,
+    log: Callable[[str], Any] = print,
+    num_clients: int | None = None,
     capture_kind: str = "gradient",
 ) -> dict[str, Any]:
     """Run the main job into ``out`` (federated/, attack/, report.md). ``num_clients`` = victims;
@@ -72,20 +87,26 @@ def run_story(
         cfg = dict(federation, **{"run-dir": str(fed_dir), "data-root": data_root})
         if num_clients:
             cfg["num-clients"] = num_clients
-        log(f"federated training: {cfg['model']}/{cfg['dataset']}, p = {cfg['p']}, {cfg['num-clients']} clients, "
-            f"{cfg['num-server-rounds']} rounds; the curious server captures round {cfg['capture-rounds']}")
+        log(
+            f"federated training: {cfg['model']}/{cfg['dataset']}, p = {cfg['p']}, {cfg['num-clients']} clients, "
+            f"{cfg['num-server-rounds']} rounds; the curious server captures round {cfg['capture-rounds']}"
+        )
         run_simulation_job(cfg, quiet=True)  # the accuracy per round is printed below; Flower's warnings stay
     rounds = list(csv.DictReader((fed_dir / "rounds.csv").read_text().splitlines()))
     for row in rounds:
-        log(f"  round {row['round']}: test accuracy {100 * float(row['accuracy']):.2f} %"
-            + (" (captured)" if row.get("captured") == "1" else ""))
-    attack_cfg = parse_config({
-        "victims": {"source": "captures", "captures": str(fed_dir)},
-        "attacks": attacks["attacks"],
-        "attack_overrides": dict(attacks["attack_overrides"], **(attack_overrides or {})),
-        "lpips": lpips,
-        "device": device,
-    })
+        log(
+            f"  round {row['round']}: test accuracy {100 * float(row['accuracy']):.2f} %"
+            + (" (captured)" if row.get("captured") == "1" else "")
+        )
+    attack_cfg = parse_config(
+        {
+            "victims": {"source": "captures", "captures": str(fed_dir)},
+            "attacks": attacks["attacks"],
+            "attack_overrides": dict(attacks["attack_overrides"], **(attack_overrides or {})),
+            "lpips": lpips,
+            "device": device,
+        }
+    )
     result = run_attack(attack_cfg, out / "attack", progress=progress, log=log)
     write_story_report(out, rounds, result)
     return result
@@ -93,33 +114,39 @@ def run_story(
 
 def write_story_report(out: Path, rounds: list[dict[str, str]], result: dict[str, Any]) -> None:
     attack_report = (out / "attack" / "report.md").read_text()
-    table = attack_report[attack_report.index("| attack"):attack_report.index("![")].strip()
+    table = attack_report[attack_report.index("| attack") : attack_report.index("![")].strip()
     acc = "\n".join(
         f"| {r['round']} | {100 * float(r['accuracy']):.2f} | {r['num_replies']} | {'yes' if r.get('captured') == '1' else ''} |"
         for r in rounds
     )
     fed = json.loads((out / "federated" / "config.json").read_text())
     if fed.get("capture-kind") == "update":
-        shared = (f"the update of a FedAvg training round: {fed['capture-images']} training images per client, "
-                  f"{fed['local-epochs']} epoch(s) in batches of {fed['batch-size']} with {fed['optimizer']} "
-                  f"(lr {fed['lr']}), fresh dropout masks at every local step")
-        attacks = ("on the captured updates, each replaying the client's local steps: IG (eval) ignores dropout, "
-                   "WIIG replays the client's true masks of every step (an oracle), DIA learns one set of masks per "
-                   "step from the update alone; dia_onestep is the cheap baseline that takes Δ/(lr·K) as one gradient")
+        shared = (
+            f"the update of a FedAvg training round: {fed['capture-images']} training images per client, "
+            f"{fed['local-epochs']} epoch(s) in batches of {fed['batch-size']} with {fed['optimizer']} "
+            f"(lr {fed['lr']}), fresh dropout masks at every local step"
+        )
+        attacks = (
+            "on the captured updates, each replaying the client's local steps: IG (eval) ignores dropout, "
+            "WIIG replays the client's true masks of every step (an oracle), DIA learns one set of masks per "
+            "step from the update alone; dia_onestep is the cheap baseline that takes Δ/(lr·K) as one gradient"
+        )
     else:
         shared = f"a one-step gradient of {fed['victim-batch-size']} training image(s) per client"
-        attacks = ("on the captured gradients: IG (eval) ignores dropout, WIIG replays the client's true masks "
-                   "(an oracle), DIA learns the masks from the gradient alone")
+        attacks = (
+            "on the captured gradients: IG (eval) ignores dropout, WIIG replays the client's true masks "
+            "(an oracle), DIA learns the masks from the gradient alone"
+        )
     text = f"""# Dropout does not protect clients: the main job
 
-1. **Federated training** (Flower simulation engine): {fed['model']} on {fed['dataset']} with dropout
-   p = {fed['p']}, {fed['num-clients']} clients, {fed['num-server-rounds']} rounds, FedAvg.
+1. **Federated training** (Flower simulation engine): {fed["model"]} on {fed["dataset"]} with dropout
+   p = {fed["p"]}, {fed["num-clients"]} clients, {fed["num-server-rounds"]} rounds, FedAvg.
 
 | round | test accuracy % | replies | captured |
 |---|---|---|---|
 {acc}
 
-2. **The honest-but-curious server** recorded every client's reply in round {fed['capture-rounds']}:
+2. **The honest-but-curious server** recorded every client's reply in round {fed["capture-rounds"]}:
    {shared} (`federated/captures/`). Audit mode kept the clients' true images and dropout masks apart
    (`federated/oracle/`), for WIIG and scoring only.
 

@@ -42,7 +42,12 @@ from attacker.engine.inversion import InversionModule
 from attacker.jobs import jobs_from_images
 from fedsim.models import ModelSpec
 
-SETTINGS = {"mlp": ("mlp", "mnist"), "lenet": ("lenet", "mnist"), "vit": ("vit", "cifar10"), "resnet18": ("resnet18", "cifar10")}
+SETTINGS = {
+    "mlp": ("mlp", "mnist"),
+    "lenet": ("lenet", "mnist"),
+    "vit": ("vit", "cifar10"),
+    "resnet18": ("resnet18", "cifar10"),
+}
 # Default V per model: a few sizes up to where that model's throughput stops growing on 2 cores.
 DEFAULT_JOBS = {"mlp": [1, 32, 128], "lenet": [1, 32, 128], "vit": [1, 8, 16], "resnet18": [1, 8, 16]}
 
@@ -72,15 +77,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_module(model: str, dataset: str, jobs: int, device: torch.device | str = "cpu", batch_size: int = 1,
-                **attack: float) -> InversionModule:
+def make_module(
+    model: str, dataset: str, jobs: int, device: torch.device | str = "cpu", batch_size: int = 1, **attack: float
+) -> InversionModule:
     """V DIA jobs on random images; job i is the same job for every V (same image, label, seed).
     attack: overrides of the DIA preset (make_attack)."""
     spec = ModelSpec(model, dataset, 0.25)
     shape = spec.input_shape
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(batch_size, *shape, generator=g).clamp(-0.4, 2.0), torch.tensor([i % 10] * batch_size))
-               for i in range(jobs)]
+    batches = [
+        (torch.randn(batch_size, *shape, generator=g).clamp(-0.4, 2.0), torch.tensor([i % 10] * batch_size))
+        for i in range(jobs)
+    ]
     vjobs, _ = jobs_from_images(spec, batches)
     return InversionModule(vjobs, [make_attack("dia", **attack)] * jobs, None).to(device)
 
@@ -159,18 +167,25 @@ def count_flops(step) -> float:
     return float(counter.get_total_flops())
 
 
-HEADER = (f"{'model':<9}{'V':>5}  {'path':<10}{'victim-it/s':>12}{'x baseline':>11}{'ms/iter':>9}"
-          f"{'GFLOP/iter':>11}{'GFLOP/s':>9}{'% peak':>8}{'peak GB':>9}")
+HEADER = (
+    f"{'model':<9}{'V':>5}  {'path':<10}{'victim-it/s':>12}{'x baseline':>11}{'ms/iter':>9}"
+    f"{'GFLOP/iter':>11}{'GFLOP/s':>9}{'% peak':>8}{'peak GB':>9}"
+)
 
 
-def row(name: str, v: int, path: str, rate: float, ratio: float | None, dt: float, flops: float, peak: float, mem: float) -> str:
+def row(
+    name: str, v: int, path: str, rate: float, ratio: float | None, dt: float, flops: float, peak: float, mem: float
+) -> str:
     ratio_s = f"{ratio:>10.1f}x" if ratio is not None else f"{'1.0x':>11}"
-    return (f"{name:<9}{v:>5}  {path:<10}{rate:>12.1f}{ratio_s}{dt * 1e3:>9.1f}{flops / 1e9:>11.3f}"
-            f"{flops / dt / 1e9:>9.1f}{100 * flops / dt / 1e9 / peak:>7.0f}%{mem:>9.2f}")
+    return (
+        f"{name:<9}{v:>5}  {path:<10}{rate:>12.1f}{ratio_s}{dt * 1e3:>9.1f}{flops / 1e9:>11.3f}"
+        f"{flops / dt / 1e9:>9.1f}{100 * flops / dt / 1e9 / peak:>7.0f}%{mem:>9.2f}"
+    )
 
 
-def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: torch.device, peak: float,
-                memory: PeakMemory) -> list[dict]:
+def bench_model(
+    name: str, jobs: list[int], args: argparse.Namespace, device: torch.device, peak: float, memory: PeakMemory
+) -> list[dict]:
     """One model's rows. The baseline, the dense and the factored paths are timed in turns (one
     repeat of each, then the next), so that load from elsewhere falls on all three alike; each
     figure is its best repeat, the baseline's the best over the whole model block."""
@@ -231,8 +246,21 @@ def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: to
                 times[path].append((time.perf_counter() - start) / args.iterations)
             time_baseline()
         bf16 = (min(times["fact+bf16"]), bf16_err) if args.bf16 else None
-        rows.append((v, min(times["dense"]), flops_d, mem_d, min(times["factored"]), flops_f, mem_f, used, weights,
-                     factor_s, bf16))
+        rows.append(
+            (
+                v,
+                min(times["dense"]),
+                flops_d,
+                mem_d,
+                min(times["factored"]),
+                flops_f,
+                mem_f,
+                used,
+                weights,
+                factor_s,
+                bf16,
+            )
+        )
         del module, ghost, step
     dt_b = min(base_times)
     base_rate = 1 / dt_b
@@ -240,14 +268,22 @@ def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: to
     out = [{"model": name, "V": 1, "path": "baseline", "rate": base_rate}]
     for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s, bf16 in rows:
         print(row(name, v, "dense", v / dt_d, v / dt_d / base_rate, dt_d, flops_d, peak, mem_d), flush=True)
-        print(row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak, mem_f)
-              + f"   ({used}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)", flush=True)
-        out += [{"model": name, "V": v, "path": "dense", "rate": v / dt_d},
-                {"model": name, "V": v, "path": "factored", "rate": v / dt_f}]
+        print(
+            row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak, mem_f)
+            + f"   ({used}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)",
+            flush=True,
+        )
+        out += [
+            {"model": name, "V": v, "path": "dense", "rate": v / dt_d},
+            {"model": name, "V": v, "path": "factored", "rate": v / dt_f},
+        ]
         if bf16 is not None:  # same FLOPs as the factored row (the counter counts operations, not precision)
             dt_h, err = bf16
-            print(row(name, v, "fact+bf16", v / dt_h, v / dt_h / base_rate, dt_h, flops_f, peak, mem_f)
-                  + f"   (bf16 autocast; job losses off the float32 ones by up to {100 * err:.2g} %)", flush=True)
+            print(
+                row(name, v, "fact+bf16", v / dt_h, v / dt_h / base_rate, dt_h, flops_f, peak, mem_f)
+                + f"   (bf16 autocast; job losses off the float32 ones by up to {100 * err:.2g} %)",
+                flush=True,
+            )
             out.append({"model": name, "V": v, "path": "fact+bf16", "rate": v / dt_h})
     return out
 
@@ -255,17 +291,30 @@ def bench_model(name: str, jobs: list[int], args: argparse.Namespace, device: to
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "vit"], choices=list(SETTINGS))
-    parser.add_argument("--jobs", nargs="+", type=int, help="V values for every model (default: per model, "
-                        + ", ".join(f"{m} {' '.join(map(str, v))}" for m, v in DEFAULT_JOBS.items()) + ")")
+    parser.add_argument(
+        "--jobs",
+        nargs="+",
+        type=int,
+        help="V values for every model (default: per model, "
+        + ", ".join(f"{m} {' '.join(map(str, v))}" for m, v in DEFAULT_JOBS.items())
+        + ")",
+    )
     parser.add_argument("--iterations", type=int, default=4, help="timed iterations per repeat, after 2 warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per setting; the best one counts")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, the number of cores)")
-    parser.add_argument("--baseline-victims", type=int, default=4, help="victims the plain loop runs, one after another")
+    parser.add_argument(
+        "--baseline-victims", type=int, default=4, help="victims the plain loop runs, one after another"
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="images per victim job (B)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--bf16", action="store_true",
-                        help="also time the factored path under bf16 autocast (an experiment: the engine runs float32)")
-    parser.add_argument("--lightning", action="store_true", help="also time the Lightning Trainer against the plain loop")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also time the factored path under bf16 autocast (an experiment: the engine runs float32)",
+    )
+    parser.add_argument(
+        "--lightning", action="store_true", help="also time the Lightning Trainer against the plain loop"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -275,10 +324,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     memory = PeakMemory(device)
     peak = gemm_peak(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s ({gemm_size(device)}^3, best of 5, measured now); "
-          f"B = {args.batch_size}, DIA, best of {args.repeats} x {args.iterations} timed iterations per setting")
-    print(f"baseline: the plain loop, one victim at a time ({args.baseline_victims} of the same jobs in turn); "
-          "'x baseline' = victim-it/s over the baseline's, this run")
+    print(
+        f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s ({gemm_size(device)}^3, best of 5, measured now); "
+        f"B = {args.batch_size}, DIA, best of {args.repeats} x {args.iterations} timed iterations per setting"
+    )
+    print(
+        f"baseline: the plain loop, one victim at a time ({args.baseline_victims} of the same jobs in turn); "
+        "'x baseline' = victim-it/s over the baseline's, this run"
+    )
     print(HEADER)
     results = []
     for name in args.models:
@@ -293,8 +346,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         v, n = (args.jobs or DEFAULT_JOBS[name])[-1], args.iterations * 5
         module = make_module(model, dataset, v)
         module.chunk = n
-        trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         start = time.perf_counter()
         trainer.fit(module)
         t_lightning = (time.perf_counter() - start) / n
@@ -303,8 +362,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for _ in range(n):
             engine_step(module)
         t_plain = (time.perf_counter() - start) / n
-        print(f"Lightning Trainer vs plain loop ({name}, V={v}, {n} iterations): {t_lightning * 1e3:.1f} vs "
-              f"{t_plain * 1e3:.1f} ms/iteration (overhead {1e3 * (t_lightning - t_plain):.1f} ms, includes fit start-up)")
+        print(
+            f"Lightning Trainer vs plain loop ({name}, V={v}, {n} iterations): {t_lightning * 1e3:.1f} vs "
+            f"{t_plain * 1e3:.1f} ms/iteration (overhead {1e3 * (t_lightning - t_plain):.1f} ms, includes fit start-up)"
+        )
     return results
 
 

@@ -37,8 +37,11 @@ def check_cpu_equals_gpu() -> None:
                 assert loss.device.type == device, f"the {device} loss was computed on {loss.device}"
                 losses.append(loss.detach().cpu())
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
-            print(f"engine loss, {model}, {'factored' if factored else 'dense'} targets: cuda equals cpu "
-                  f"(max difference {float((losses[1] - losses[0]).abs().max()):.1e})", flush=True)
+            print(
+                f"engine loss, {model}, {'factored' if factored else 'dense'} targets: cuda equals cpu "
+                f"(max difference {float((losses[1] - losses[0]).abs().max()):.1e})",
+                flush=True,
+            )
 
 
 def attack_end_to_end(model: str, victims: int, attacks: list[str], iterations: int) -> int:
@@ -50,23 +53,47 @@ def attack_end_to_end(model: str, victims: int, attacks: list[str], iterations: 
     victim_file = paper_victims_path("mnist", HERE.parent / "data")  # the paper's victims
     source = ["--victim-file", str(victim_file)] if victim_file.is_file() else []
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ["run", "--model", model, "--dataset", "mnist", "--p", "0.25", "--victims", str(victims), *source,
-                "--attacks", *attacks, "--iterations", str(iterations), "--device", "gpu", "--no-lpips",
-                "--quiet", "--out", str(Path(tmp) / "run")]
+        argv = [
+            "run",
+            "--model",
+            model,
+            "--dataset",
+            "mnist",
+            "--p",
+            "0.25",
+            "--victims",
+            str(victims),
+            *source,
+            "--attacks",
+            *attacks,
+            "--iterations",
+            str(iterations),
+            "--device",
+            "gpu",
+            "--no-lpips",
+            "--quiet",
+            "--out",
+            str(Path(tmp) / "run"),
+        ]
         print("attacker " + " ".join(argv), flush=True)
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         rc = attacker_main(argv)
         seconds = time.perf_counter() - start
-    print(f"attacker run ({model}): exit {rc}, {seconds:.1f} s wall, torch.cuda.max_memory_allocated "
-          f"{torch.cuda.max_memory_allocated() / 1e9:.2f} GB", flush=True)
+    print(
+        f"attacker run ({model}): exit {rc}, {seconds:.1f} s wall, torch.cuda.max_memory_allocated "
+        f"{torch.cuda.max_memory_allocated() / 1e9:.2f} GB",
+        flush=True,
+    )
     return rc
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False); run it on a GPU machine",
-              file=sys.stderr)
+        print(
+            "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False); run it on a GPU machine",
+            file=sys.stderr,
+        )
         return 2
     from attack_throughput import main as bench
 
@@ -75,7 +102,9 @@ def main() -> int:
     bench(["--device", "cuda", "--models", "mlp", "--jobs", "1", "128", "512", "2048", "--iterations", "20"])
     bench(["--device", "cuda", "--models", "vit", "--jobs", "1", "16", "64", "128", "--iterations", "10"])
     rc_mlp = attack_end_to_end("mlp", 16, ["ig_eval", "wiig", "dia"], 2000)
-    rc_vit = attack_end_to_end("vit", 128, ["dia"], 1000)  # one group of 128 on a GPU (the ViT's group_caps in fedsim.models.MODELS)
+    rc_vit = attack_end_to_end(
+        "vit", 128, ["dia"], 1000
+    )  # one group of 128 on a GPU (the ViT's group_caps in fedsim.models.MODELS)
     return rc_mlp or rc_vit
 
 

@@ -48,8 +48,15 @@ def initial_state(module: InversionModule, j: int) -> tuple[Tensor, list[Tensor]
 class PlainAttack:
     """One victim, attacked alone by the plain loop (see the module docstring)."""
 
-    def __init__(self, job: VictimJob, attack: AttackConfig, image: Tensor, masks: list[Tensor], learned: bool,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        job: VictimJob,
+        attack: AttackConfig,
+        image: Tensor,
+        masks: list[Tensor],
+        learned: bool,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if attack.distance != "cosine" or term_weight(attack, "lambda_pos", job.spec.name):
             raise NotImplementedError("the plain baseline is the cosine attack (IG, WIIG, DIA)")
         self.attack = attack
@@ -70,7 +77,8 @@ class PlainAttack:
         self.optimized = optimized
         self.opt = torch.optim.Adam(optimized, lr=attack.lr, betas=(0.9, 0.999))
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            self.opt, mode="min", factor=attack.plateau_factor, patience=attack.plateau_patience)
+            self.opt, mode="min", factor=attack.plateau_factor, patience=attack.plateau_patience
+        )
 
     def step(self) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -103,7 +111,9 @@ class PlainAttack:
 
 def plain_attacks(module: InversionModule, jobs: int, device: torch.device | str = "cpu") -> list[PlainAttack]:
     """Plain attacks of the module's first ``jobs`` jobs, from the module's initial state."""
-    return [PlainAttack(module.jobs[j], module.attacks[j], *initial_state(module, j), device=device) for j in range(jobs)]
+    return [
+        PlainAttack(module.jobs[j], module.attacks[j], *initial_state(module, j), device=device) for j in range(jobs)
+    ]
 
 
 def run_plain(attacks: list[PlainAttack], iterations: int, sync=lambda: None) -> tuple[float, list[list[float]]]:

@@ -362,7 +362,9 @@ def _list_records(directory: str | Path) -> list[Path]:
     if not directory.is_dir():
         return []
     # Hidden names are unfinished writes; only complete folders count.
-    return sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).is_file())
+    return sorted(
+        p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).is_file()
+    )
 
 
 def list_captures(directory: str | Path) -> list[Path]:

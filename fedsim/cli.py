@@ -81,14 +81,21 @@ def add_run_config_args(
             text = f"{setting.help} ({allowed + '; ' if allowed else ''}default: {_shown(default)})"
         text = text.replace("%", "%%")
         if setting.type is bool:
-            groups[setting.group].add_argument(*flags, dest=_dest(setting.key), default=None,
-                                               action=argparse.BooleanOptionalAction, help=text)
+            groups[setting.group].add_argument(
+                *flags, dest=_dest(setting.key), default=None, action=argparse.BooleanOptionalAction, help=text
+            )
         else:
             metavar = "{" + ",".join(setting.choices) + "}" if setting.choices else METAVARS[setting.type]
-            groups[setting.group].add_argument(*flags, dest=_dest(setting.key), default=None, metavar=metavar,
-                                               help=text)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any run config key (fedsim.run_config.SCHEMA), applied after the flags; repeatable")
+            groups[setting.group].add_argument(
+                *flags, dest=_dest(setting.key), default=None, metavar=metavar, help=text
+            )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any run config key (fedsim.run_config.SCHEMA), applied after the flags; repeatable",
+    )
     parser.set_defaults(run_config_defaults=defaults, run_config_keys=keys)
 
 
@@ -149,9 +156,15 @@ def _rounds_table(results: dict[str, Any], title: str) -> Table:
     for col in ("round", "test acc", "test loss", "train loss", "clients", "captured", "elapsed s"):
         table.add_column(col, justify="right")
     for row in results["rounds"]:
-        table.add_row(str(row["round"]), f"{100 * row['accuracy']:.2f}%", f"{row['loss']:.4f}",
-                      f"{row['train_loss']:.4f}", str(row["num_replies"]), "yes" if row["captured"] else "",
-                      f"{row['elapsed_s']:.1f}")
+        table.add_row(
+            str(row["round"]),
+            f"{100 * row['accuracy']:.2f}%",
+            f"{row['loss']:.4f}",
+            f"{row['train_loss']:.4f}",
+            str(row["num_replies"]),
+            "yes" if row["captured"] else "",
+            f"{row['elapsed_s']:.1f}",
+        )
     return table
 
 
@@ -169,15 +182,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedsim.simulation import load_results, run_simulation_job
 
     what = f"{cfg['model']}/{cfg['dataset']} p={cfg['p']}"
-    console.print(f"[bold]fedsim simulate[/bold]: {what}, {cfg['num-clients']} clients, "
-                  f"{cfg['num-server-rounds']} rounds -> {cfg['run-dir']}")
+    console.print(
+        f"[bold]fedsim simulate[/bold]: {what}, {cfg['num-clients']} clients, "
+        f"{cfg['num-server-rounds']} rounds -> {cfg['run-dir']}"
+    )
     t0 = time.time()
     run_dir = run_simulation_job(cfg)
     results = load_results(run_dir)
     console.print(_rounds_table(results, what))
-    console.print(f"final accuracy {100 * results['final_accuracy']:.2f}%, best {100 * results['best_accuracy']:.2f}% "
-                  f"(round {results['best_round']}), {results['num_captures']} captures, "
-                  f"{time.time() - t0:.1f} s; results in [bold]{run_dir}[/bold]")
+    console.print(
+        f"final accuracy {100 * results['final_accuracy']:.2f}%, best {100 * results['best_accuracy']:.2f}% "
+        f"(round {results['best_round']}), {results['num_captures']} captures, "
+        f"{time.time() - t0:.1f} s; results in [bold]{run_dir}[/bold]"
+    )
     return 0
 
 
@@ -188,8 +205,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if len(set(ps)) != len(ps):
         raise UsageError(f"--p repeats a value: {' '.join(f'{p:g}' for p in ps)}")
     base = cells[0]
-    out = _check_new_folder(args.out or f"{SWEEP_OUT}/{time.strftime('%Y%m%d-%H%M%S')}-{base['model']}-{base['dataset']}",
-                            "--out folder")
+    out = _check_new_folder(
+        args.out or f"{SWEEP_OUT}/{time.strftime('%Y%m%d-%H%M%S')}-{base['model']}-{base['dataset']}", "--out folder"
+    )
     _check_model_and_data(base)
     for cell in cells:
         cell.update({"run-dir": str(out / f"p{cell['p']}"), "data-root": base["data-root"]})
@@ -201,23 +219,40 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         console.print(f"[bold]sweep[/bold] {cfg['model']}/{cfg['dataset']} p={cfg['p']} ...")
         t0 = time.time()
         results = load_results(run_simulation_job(cfg))
-        rows.append({"model": cfg["model"], "dataset": cfg["dataset"], "p": cfg["p"], "rounds": results["rounds_run"],
-                     "final_accuracy": results["final_accuracy"], "best_accuracy": results["best_accuracy"],
-                     "best_round": results["best_round"], "wall_s": round(time.time() - t0, 1)})
+        rows.append(
+            {
+                "model": cfg["model"],
+                "dataset": cfg["dataset"],
+                "p": cfg["p"],
+                "rounds": results["rounds_run"],
+                "final_accuracy": results["final_accuracy"],
+                "best_accuracy": results["best_accuracy"],
+                "best_round": results["best_round"],
+                "wall_s": round(time.time() - t0, 1),
+            }
+        )
     csv_path = out / "accuracy_vs_p.csv"
     with open(csv_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     png_path = out / "accuracy_vs_p.png"
-    _plot_sweep(rows, png_path, f"{base['model']} / {base['dataset']}, {base['num-clients']} clients, "
-                                f"{base['num-server-rounds']} rounds")
+    _plot_sweep(
+        rows,
+        png_path,
+        f"{base['model']} / {base['dataset']}, {base['num-clients']} clients, {base['num-server-rounds']} rounds",
+    )
     table = Table(title=f"test accuracy against dropout rate ({base['model']}/{base['dataset']})")
     for col in ("p", "final acc", "best acc", "best round", "wall s"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['p']:g}", f"{100 * r['final_accuracy']:.2f}%", f"{100 * r['best_accuracy']:.2f}%",
-                      str(r["best_round"]), f"{r['wall_s']:.1f}")
+        table.add_row(
+            f"{r['p']:g}",
+            f"{100 * r['final_accuracy']:.2f}%",
+            f"{100 * r['best_accuracy']:.2f}%",
+            str(r["best_round"]),
+            f"{r['wall_s']:.1f}",
+        )
     console.print(table)
     console.print(f"wrote {csv_path} and {png_path}")
     return 0
@@ -266,8 +301,20 @@ def cmd_captures(args: argparse.Namespace) -> int:
             console.print(f"[red]{exc}[/red]")
             continue
         labels = c.label_policy if c.labels is None else ",".join(str(int(v)) for v in c.labels[:8])
-        table.add_row(str(c.round), str(c.client), c.kind, c.spec.name, f"{c.p:g}", str(c.label_count),
-                      str(c.batch_size), str(c.local_steps), f"{c.lr:g}", labels, c.defense, path.name)
+        table.add_row(
+            str(c.round),
+            str(c.client),
+            c.kind,
+            c.spec.name,
+            f"{c.p:g}",
+            str(c.label_count),
+            str(c.batch_size),
+            str(c.local_steps),
+            f"{c.lr:g}",
+            labels,
+            c.defense,
+            path.name,
+        )
     console.print(table)
     return 1 if bad else 0
 
@@ -291,29 +338,38 @@ def cmd_deploy_local(args: argparse.Namespace) -> int:
         node_keys = [Path(args.tls_dir) / f"supernode-{i + 1}" for i in range(cfg["num-clients"])]
         missing = [str(k) for k in node_keys if not k.is_file() or not k.with_name(k.name + ".pub").is_file()]
         if missing:
-            raise UsageError(f"missing SuperNode keys {missing}; run deploy/make-certs.sh {args.tls_dir} {cfg['num-clients']}")
+            raise UsageError(
+                f"missing SuperNode keys {missing}; run deploy/make-certs.sh {args.tls_dir} {cfg['num-clients']}"
+            )
     from fedsim.simulation import load_results
 
     if cfg["audit"]:
-        console.print("[yellow]warning:[/yellow] --audit makes the clients send their ground truth (the oracle) to the "
-                      "server; in a deployment the server is the attacker. Use it only for measurements.")
+        console.print(
+            "[yellow]warning:[/yellow] --audit makes the clients send their ground truth (the oracle) to the "
+            "server; in a deployment the server is the attacker. Use it only for measurements."
+        )
     transport = "TLS" if tls else "insecure"
     what = f"{cfg['model']}/{cfg['dataset']} p={cfg['p']}"
-    console.print(f"[bold]fedsim deploy-local[/bold]: {what}, SuperLink + {cfg['num-clients']} "
-                  f"SuperNodes on loopback ({transport}{', SuperNode auth' if node_keys else ''}), "
-                  f"{cfg['num-server-rounds']} rounds -> {cfg['run-dir']}")
+    console.print(
+        f"[bold]fedsim deploy-local[/bold]: {what}, SuperLink + {cfg['num-clients']} "
+        f"SuperNodes on loopback ({transport}{', SuperNode auth' if node_keys else ''}), "
+        f"{cfg['num-server-rounds']} rounds -> {cfg['run-dir']}"
+    )
     t0 = time.time()
     try:
-        result = deploy_local(cfg, tls=tls, node_keys=node_keys, timeout=args.timeout,
-                              echo=None if args.quiet else sys.stdout)
+        result = deploy_local(
+            cfg, tls=tls, node_keys=node_keys, timeout=args.timeout, echo=None if args.quiet else sys.stdout
+        )
     except (DeploymentError, FileExistsError) as exc:
         console.print(f"[red]deployment failed:[/red] {exc}")
         return 1
     results = load_results(result.run_dir)
     console.print(_rounds_table(results, f"deployment run {result.run_id}: {what}"))
-    console.print(f"run {result.run_id} {result.status}; final accuracy {100 * results['final_accuracy']:.2f}%, "
-                  f"{results['num_captures']} captures, {time.time() - t0:.1f} s; every process stopped. "
-                  f"Results in [bold]{result.run_dir}[/bold], logs in {result.work_dir / 'logs'}")
+    console.print(
+        f"run {result.run_id} {result.status}; final accuracy {100 * results['final_accuracy']:.2f}%, "
+        f"{results['num_captures']} captures, {time.time() - t0:.1f} s; every process stopped. "
+        f"Results in [bold]{result.run_dir}[/bold], logs in {result.work_dir / 'logs'}"
+    )
     return 0
 
 
@@ -324,9 +380,14 @@ def cmd_victims(args: argparse.Namespace) -> int:
     failed = 0
     for dataset in args.datasets or sorted(PAPER_VICTIMS):
         try:
-            path = paper_victims(dataset, args.data_root, allow_download=True, base_url=args.url,
-                                 timeout_s=args.timeout,
-                                 log=lambda line: console.print(line, highlight=False, soft_wrap=True))
+            path = paper_victims(
+                dataset,
+                args.data_root,
+                allow_download=True,
+                base_url=args.url,
+                timeout_s=args.timeout,
+                log=lambda line: console.print(line, highlight=False, soft_wrap=True),
+            )
         except VictimFileError as err:
             console.print(f"[bold red]error:[/bold red] {err}", highlight=False, soft_wrap=True)
             failed += 1
@@ -345,20 +406,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser("sweep", help="Table 1's accuracy column: test accuracy against p")
     add_run_config_args(sweep, SUBCOMMAND_DEFAULTS["sweep"], exclude=("p", "run-dir"))
-    sweep.add_argument("--p", nargs="+", default=list(SWEEP_P), metavar="P",
-                       help=f"dropout rates, one federation each (default: {' '.join(SWEEP_P)})")
-    sweep.add_argument("--out", default=None,
-                       help=f"new output folder, one run folder per p inside (default: a new folder under {SWEEP_OUT})")
+    sweep.add_argument(
+        "--p",
+        nargs="+",
+        default=list(SWEEP_P),
+        metavar="P",
+        help=f"dropout rates, one federation each (default: {' '.join(SWEEP_P)})",
+    )
+    sweep.add_argument(
+        "--out",
+        default=None,
+        help=f"new output folder, one run folder per p inside (default: a new folder under {SWEEP_OUT})",
+    )
     sweep.set_defaults(func=cmd_sweep)
 
-    dep = sub.add_parser("deploy-local", help="the same app in Flower's deployment engine: SuperLink + SuperNodes "
-                         "as processes on loopback, flwr run, then stop them all")
+    dep = sub.add_parser(
+        "deploy-local",
+        help="the same app in Flower's deployment engine: SuperLink + SuperNodes "
+        "as processes on loopback, flwr run, then stop them all",
+    )
     add_run_config_args(dep, SUBCOMMAND_DEFAULTS["deploy-local"])
-    dep.add_argument("--tls-dir", default=None,
-                     help="TLS between CLI/SuperNodes and SuperLink with ca.crt, server.pem, server.key from "
-                          "deploy/make-certs.sh DIR")
-    dep.add_argument("--node-auth", action="store_true",
-                     help="SuperNode authentication with DIR/supernode-<i> keys (needs --tls-dir)")
+    dep.add_argument(
+        "--tls-dir",
+        default=None,
+        help="TLS between CLI/SuperNodes and SuperLink with ca.crt, server.pem, server.key from "
+        "deploy/make-certs.sh DIR",
+    )
+    dep.add_argument(
+        "--node-auth",
+        action="store_true",
+        help="SuperNode authentication with DIR/supernode-<i> keys (needs --tls-dir)",
+    )
     dep.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
     dep.add_argument("--quiet", action="store_true", help="do not echo the run's log stream")
     dep.set_defaults(func=cmd_deploy_local)
@@ -368,10 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
     caps.set_defaults(func=cmd_captures)
 
     vic = sub.add_parser("victims", help="fetch the paper's victim images (pinned SHA-256) into the data folder")
-    vic.add_argument("--data-root", default="data", help="data folder; the files go to DATA_ROOT/dia-victims (default: data)")
+    vic.add_argument(
+        "--data-root", default="data", help="data folder; the files go to DATA_ROOT/dia-victims (default: data)"
+    )
     vic.add_argument("--datasets", nargs="+", metavar="NAME", help="mnist, cifar10 (default: both)")
-    vic.add_argument("--url", help="base URL of a mirror holding the same file names (default: $DLA_VICTIMS_URL, "
-                     "else the authors' repository)")
+    vic.add_argument(
+        "--url",
+        help="base URL of a mirror holding the same file names (default: $DLA_VICTIMS_URL, "
+        "else the authors' repository)",
+    )
     vic.add_argument("--timeout", type=float, default=20.0, help="seconds per file (default 20)")
     vic.set_defaults(func=cmd_victims)
     return parser

@@ -110,8 +110,14 @@ def handle_train(msg: Message, context: Context) -> Message:
     arrays = ArrayRecord(result.weights)
     metrics = MetricRecord({"num-examples": len(data), "train-loss": result.mean_loss})  # type: ignore[arg-type]
     mode = "one-step" if one_step else "update" if capture_update else "train"
-    meta.update({"batch-size": plan.schedule.batch_size or len(data), "lr": plan.optimizer.lr,  # type: ignore[arg-type]
-                 "local-steps": len(result.steps), "mode": mode})
+    meta.update(
+        {
+            "batch-size": plan.schedule.batch_size or len(data),
+            "lr": plan.optimizer.lr,  # type: ignore[arg-type]
+            "local-steps": len(result.steps),
+            "mode": mode,
+        }
+    )
     if captured:
         if images is None:  # the whole partition was the local set
             images, labels = next(iter(DataLoader(data, batch_size=len(data))))  # type: ignore[arg-type]

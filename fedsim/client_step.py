@@ -57,8 +57,12 @@ class Schedule:
         generator seeded by ``seed``, so the global RNG (the dropout masks) is left untouched."""
         if n < 1:
             raise LocalPlanError("the client has no local data")
-        loader = DataLoader(range(n), batch_size=self.batch_size or n, shuffle=self.order == "shuffled",
-                            generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(
+            range(n),
+            batch_size=self.batch_size or n,
+            shuffle=self.order == "shuffled",
+            generator=torch.Generator().manual_seed(seed),
+        )
         out: list[list[int]] = []
         for _ in range(self.epochs):
             for batch in loader:
@@ -214,15 +218,20 @@ def run_local_round(
     names = [n for n, _ in model.named_parameters()]
     global_params = dict(model.named_parameters()) if start is None else dict(start)
     dtype = torch.float64 if plan.float64_weights else None
-    weights = {n: (global_params[n].detach().to(dtype) if dtype else global_params[n].detach())
-               if not plan.differentiable else global_params[n] for n in names}
+    weights = {
+        n: (global_params[n].detach().to(dtype) if dtype else global_params[n].detach())
+        if not plan.differentiable
+        else global_params[n]
+        for n in names
+    }
     states: dict[str, dict] = {n: {} for n in names}
     steps: list[StepRecord] = []
     was_training = model.training
     model.train()
     sample = DropoutMode.RECORD if plan.record_masks else DropoutMode.SAMPLE  # the same random draws
-    mode = {"sample": sample, "replay": DropoutMode.REPLAY, "learn": DropoutMode.LEARN,
-            "off": DropoutMode.OFF}[plan.dropout]
+    mode = {"sample": sample, "replay": DropoutMode.REPLAY, "learn": DropoutMode.LEARN, "off": DropoutMode.OFF}[
+        plan.dropout
+    ]
     set_dropout_mode(model, mode)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -248,8 +257,14 @@ def run_local_round(
                 with torch.set_grad_enabled(plan.differentiable):
                     for n, g in zip(names, grads):
                         weights[n] = update_rule(weights[n], g.to(weights[n].dtype), states[n], t)
-                steps.append(StepRecord(indices, masks, float(loss.detach()),
-                                        [g.detach() for g in grads] if plan.keep_gradients else None))
+                steps.append(
+                    StepRecord(
+                        indices,
+                        masks,
+                        float(loss.detach()),
+                        [g.detach() for g in grads] if plan.keep_gradients else None,
+                    )
+                )
     finally:
         set_dropout_mode(model, DropoutMode.AUTO)
         model.train(was_training)
@@ -264,5 +279,10 @@ def run_local_round(
 
 def one_step_plan(lr: float, *, seed: int = 0, float64: bool = True, keep_gradients: bool = False) -> LocalPlan:
     """The paper's capture round: one plain SGD step on the whole victim batch, in order."""
-    return LocalPlan(Schedule(epochs=1, batch_size=0, max_steps=1, order="in-order"), OptimizerSpec("sgd", lr),
-                     float64_weights=float64, keep_gradients=keep_gradients, seed=seed)
+    return LocalPlan(
+        Schedule(epochs=1, batch_size=0, max_steps=1, order="in-order"),
+        OptimizerSpec("sgd", lr),
+        float64_weights=float64,
+        keep_gradients=keep_gradients,
+        seed=seed,
+    )

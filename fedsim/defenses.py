@@ -92,15 +92,17 @@ def _prune_mods(cfg: Mapping[str, Any]) -> list[Any]:
 def _wrap_client_clipping(strategy: Any, cfg: Mapping[str, Any], num_sampled: int) -> Any:
     from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 
-    return DifferentialPrivacyClientSideFixedClipping(strategy, float(cfg["noise-multiplier"]),
-                                                      float(cfg["clip-norm"]), num_sampled)
+    return DifferentialPrivacyClientSideFixedClipping(
+        strategy, float(cfg["noise-multiplier"]), float(cfg["clip-norm"]), num_sampled
+    )
 
 
 def _wrap_server_clipping(strategy: Any, cfg: Mapping[str, Any], num_sampled: int) -> Any:
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
-    return DifferentialPrivacyServerSideFixedClipping(strategy, float(cfg["noise-multiplier"]),
-                                                      float(cfg["clip-norm"]), num_sampled)
+    return DifferentialPrivacyServerSideFixedClipping(
+        strategy, float(cfg["noise-multiplier"]), float(cfg["clip-norm"]), num_sampled
+    )
 
 
 def _local_dp_multiplier(cfg: Mapping[str, Any]) -> float:
@@ -112,35 +114,74 @@ def _central_multiplier(cfg: Mapping[str, Any]) -> float:
     return float(cfg["noise-multiplier"])
 
 
-_CENTRAL_CAPTURE = ("the client's clipped update, without noise: central DP adds its noise to the aggregate, "
-                    "after the server has seen each update")
+_CENTRAL_CAPTURE = (
+    "the client's clipped update, without noise: central DP adds its noise to the aggregate, "
+    "after the server has seen each update"
+)
 
 DEFENSES: dict[str, Defense] = {
     d.name: d
     for d in (
         Defense("none", "no defense", _no_mods, None, "the client's update as sent", "none", family="no defense"),
-        Defense("local-dp", "Flower's LocalDpMod on the client: clip to clip-norm, add Gaussian noise for "
-                "(dp-epsilon, dp-delta)", _local_dp_mods, None, "the client's clipped and noised update",
-                "none: the noised update is attacked as is", needs_float_state=True,
-                noise_multiplier=_local_dp_multiplier, accounted="client",
-                per_round_epsilon=lambda cfg: float(cfg["dp-epsilon"]), family="local DP (LocalDpMod)",
-                level="dp-epsilon", level_name="ε/round", stronger_when_smaller=True),
-        Defense("central-dp-client-clipping", "Flower's fixedclipping_mod on the client and "
-                "DifferentialPrivacyClientSideFixedClipping around the strategy (noise-multiplier, clip-norm)",
-                _fixed_clipping_mods, _wrap_client_clipping, _CENTRAL_CAPTURE,
-                "none needed: clipping scales the update, which the cosine distance ignores",
-                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation",
-                family="central DP, client clipping", level="noise-multiplier", level_name="z"),
-        Defense("central-dp-server-clipping", "DifferentialPrivacyServerSideFixedClipping around the strategy "
-                "(noise-multiplier, clip-norm)", _no_mods, _wrap_server_clipping, _CENTRAL_CAPTURE,
-                "none needed: clipping scales the update, which the cosine distance ignores",
-                needs_float_state=True, noise_multiplier=_central_multiplier, accounted="federation",
-                family="central DP, server clipping", level="noise-multiplier", level_name="z"),
-        Defense("prune", "keep the prune-fraction largest entries (by magnitude) of each tensor of the update",
-                _prune_mods, None, "the client's pruned update",
-                "only the surviving (nonzero) entries are matched: the dummy's gradient or replayed update is "
-                "cut to them (VictimJob.match_support)", match_support=True, family="pruning",
-                level="prune-fraction", level_name="keep", stronger_when_smaller=True),
+        Defense(
+            "local-dp",
+            "Flower's LocalDpMod on the client: clip to clip-norm, add Gaussian noise for (dp-epsilon, dp-delta)",
+            _local_dp_mods,
+            None,
+            "the client's clipped and noised update",
+            "none: the noised update is attacked as is",
+            needs_float_state=True,
+            noise_multiplier=_local_dp_multiplier,
+            accounted="client",
+            per_round_epsilon=lambda cfg: float(cfg["dp-epsilon"]),
+            family="local DP (LocalDpMod)",
+            level="dp-epsilon",
+            level_name="ε/round",
+            stronger_when_smaller=True,
+        ),
+        Defense(
+            "central-dp-client-clipping",
+            "Flower's fixedclipping_mod on the client and "
+            "DifferentialPrivacyClientSideFixedClipping around the strategy (noise-multiplier, clip-norm)",
+            _fixed_clipping_mods,
+            _wrap_client_clipping,
+            _CENTRAL_CAPTURE,
+            "none needed: clipping scales the update, which the cosine distance ignores",
+            needs_float_state=True,
+            noise_multiplier=_central_multiplier,
+            accounted="federation",
+            family="central DP, client clipping",
+            level="noise-multiplier",
+            level_name="z",
+        ),
+        Defense(
+            "central-dp-server-clipping",
+            "DifferentialPrivacyServerSideFixedClipping around the strategy (noise-multiplier, clip-norm)",
+            _no_mods,
+            _wrap_server_clipping,
+            _CENTRAL_CAPTURE,
+            "none needed: clipping scales the update, which the cosine distance ignores",
+            needs_float_state=True,
+            noise_multiplier=_central_multiplier,
+            accounted="federation",
+            family="central DP, server clipping",
+            level="noise-multiplier",
+            level_name="z",
+        ),
+        Defense(
+            "prune",
+            "keep the prune-fraction largest entries (by magnitude) of each tensor of the update",
+            _prune_mods,
+            None,
+            "the client's pruned update",
+            "only the surviving (nonzero) entries are matched: the dummy's gradient or replayed update is "
+            "cut to them (VictimJob.match_support)",
+            match_support=True,
+            family="pruning",
+            level="prune-fraction",
+            level_name="keep",
+            stronger_when_smaller=True,
+        ),
     )
 }
 
@@ -170,13 +211,17 @@ def check_run(cfg: Mapping[str, Any], state_dtypes: Mapping[str, Any] | None) ->
     if defense.wrap is not None and cfg.get("inject-client-failure"):
         # Flower's DP wrappers skip a round's aggregation when any client failed: the strategy would
         # neither aggregate nor capture that round, so an injected failure cannot be drilled under them.
-        return (f"defense {defense.name} cannot run with inject-client-failure: Flower's central DP wrapper "
-                "drops a whole round when any client fails")
+        return (
+            f"defense {defense.name} cannot run with inject-client-failure: Flower's central DP wrapper "
+            "drops a whole round when any client fails"
+        )
     if defense.needs_float_state and state_dtypes is not None:
         ints = [k for k, dtype in state_dtypes.items() if not dtype.is_floating_point]
         if ints:
-            return (f"defense {defense.name} cannot run with model {cfg['model']}: Flower's DP clipping scales every "
-                    f"entry of the update, and {ints[0]} is not floating point")
+            return (
+                f"defense {defense.name} cannot run with model {cfg['model']}: Flower's DP clipping scales every "
+                f"entry of the update, and {ints[0]} is not floating point"
+            )
     return None
 
 
@@ -192,8 +237,14 @@ def privacy_spent(cfg: Mapping[str, Any], rounds: int, sampled: int, population:
         return None
     delta = float(cfg["dp-delta"])
     z = defense.noise_multiplier(cfg)
-    out: dict[str, Any] = {"defense": defense.name, "noise_multiplier": z, "rounds": rounds, "delta": delta,
-                           "guarantee": defense.accounted, "accountant": "flwr RdpAccountant (no amplification)"}
+    out: dict[str, Any] = {
+        "defense": defense.name,
+        "noise_multiplier": z,
+        "rounds": rounds,
+        "delta": delta,
+        "guarantee": defense.accounted,
+        "accountant": "flwr RdpAccountant (no amplification)",
+    }
     if defense.per_round_epsilon is not None:
         out["per_round"] = {"epsilon": defense.per_round_epsilon(cfg), "delta": delta}
     try:
@@ -207,9 +258,14 @@ def privacy_spent(cfg: Mapping[str, Any], rounds: int, sampled: int, population:
 
         n = 1 if defense.accounted == "client" else max(population, sampled)
         k = 1 if defense.accounted == "client" else sampled
-        accountant = RdpAccountant(PrivacyConfig(target_delta=delta, population_size=n,
-                                                 neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                                 sampling_method=SamplingMethod.NO_AMPLIFICATION))
+        accountant = RdpAccountant(
+            PrivacyConfig(
+                target_delta=delta,
+                population_size=n,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                sampling_method=SamplingMethod.NO_AMPLIFICATION,
+            )
+        )
         accountant.compose(GaussianPrivacyEvent(z, k, n), count=rounds)
         out["epsilon"] = float(accountant.get_epsilon(delta))
     except ImportError as err:  # the dp-accounting package is missing: say so, keep the run

@@ -174,7 +174,9 @@ class LocalDeployment:
         if self.node_keys and self.tls is None:
             raise DeploymentError("SuperNode authentication requires TLS (Flower refuses it with --insecure)")
         if self.node_keys and len(self.node_keys) != num_clients:
-            raise DeploymentError(f"need one SuperNode key per client: {len(self.node_keys)} keys, {num_clients} clients")
+            raise DeploymentError(
+                f"need one SuperNode key per client: {len(self.node_keys)} keys, {num_clients} clients"
+            )
         self.bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent
         self.echo = echo
         self.marker = uuid.uuid4().hex
@@ -212,8 +214,13 @@ class LocalDeployment:
 
     def _write_flwr_config(self) -> None:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
-                 f'address = "{self.address}"']
+        lines = [
+            "[superlink]",
+            f'default = "{CONNECTION}"',
+            "",
+            f"[superlink.{CONNECTION}]",
+            f'address = "{self.address}"',
+        ]
         if self.tls is None:
             lines.append("insecure = true")
         else:
@@ -221,21 +228,41 @@ class LocalDeployment:
         (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
 
     def superlink_command(self) -> list[str]:
-        cmd = [self._exe("flower-superlink"), "--disable-runtime-dependency-installation",
-               "--host", "127.0.0.1", "--port", str(self.superlink_port)]
+        cmd = [
+            self._exe("flower-superlink"),
+            "--disable-runtime-dependency-installation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.superlink_port),
+        ]
         if self.tls is None:
             cmd.append("--insecure")
         else:
-            cmd += ["--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert),
-                    "--ssl-keyfile", str(self.tls.server_key)]
+            cmd += [
+                "--ssl-ca-certfile",
+                str(self.tls.ca_cert),
+                "--ssl-certfile",
+                str(self.tls.server_cert),
+                "--ssl-keyfile",
+                str(self.tls.server_key),
+            ]
         if self.node_keys:
             cmd.append("--enable-supernode-auth")
         return cmd
 
     def supernode_command(self, partition_id: int, runtime_port: int) -> list[str]:
-        cmd = [self._exe("flower-supernode"), "--superlink", self.address,
-               "--host", "127.0.0.1", "--port", str(runtime_port),
-               "--node-config", f"partition-id={partition_id} num-partitions={self.num_clients}"]
+        cmd = [
+            self._exe("flower-supernode"),
+            "--superlink",
+            self.address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(runtime_port),
+            "--node-config",
+            f"partition-id={partition_id} num-partitions={self.num_clients}",
+        ]
         cmd += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca_cert)]
         if self.node_keys:
             cmd += ["--auth-supernode-private-key", str(self.node_keys[partition_id])]
@@ -243,8 +270,14 @@ class LocalDeployment:
 
     def flwr(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run one short ``flwr`` CLI command against this deployment."""
-        proc = subprocess.Popen([self._exe("flwr"), *args], cwd=self.work_dir, env=self.env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [self._exe("flwr"), *args],
+            cwd=self.work_dir,
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.seen_pids.add(proc.pid)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -262,8 +295,9 @@ class LocalDeployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        proc = subprocess.Popen(cmd, cwd=self.work_dir, env=self.env(), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=self.work_dir, env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
         self.procs[name] = proc
         self.seen_pids.add(proc.pid)
         return proc
@@ -271,8 +305,10 @@ class LocalDeployment:
     def _check_alive(self) -> None:
         for name, proc in self.procs.items():
             if name != "flwr-run" and proc.poll() is not None:
-                raise DeploymentError(f"{name} exited with code {proc.returncode}; see {self.log_dir / (name + '.log')}:\n"
-                                      + self.log_tail(name))
+                raise DeploymentError(
+                    f"{name} exited with code {proc.returncode}; see {self.log_dir / (name + '.log')}:\n"
+                    + self.log_tail(name)
+                )
 
     def log_tail(self, name: str, n: int = 20) -> str:
         try:
@@ -313,8 +349,14 @@ class LocalDeployment:
         cfg_path.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in run_config.items()))
         cmd = [self._exe("flwr"), "run", str(self.app_dir), CONNECTION, "--stream", "--run-config", str(cfg_path)]
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(cmd, cwd=self.work_dir, env=self.env(), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=self.work_dir,
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         self.procs["flwr-run"] = proc
         self.seen_pids.add(proc.pid)
         run_id: int | None = None
@@ -347,14 +389,19 @@ class LocalDeployment:
         if proc.returncode != 0 or run_id is None:
             raise DeploymentError(f"flwr run failed (exit {proc.returncode}); see {self.log_dir / 'flwr-run.log'}")
         details = self.run_status(run_id)
-        return DeployResult(run_id=run_id, status=str(details.get("status")),
-                            run_dir=Path(str(run_config.get("run-dir", ""))), work_dir=self.work_dir,
-                            wall_s=round(time.time() - t0, 2), details=details)
+        return DeployResult(
+            run_id=run_id,
+            status=str(details.get("status")),
+            run_dir=Path(str(run_config.get("run-dir", ""))),
+            work_dir=self.work_dir,
+            wall_s=round(time.time() - t0, 2),
+            details=details,
+        )
 
     def run_status(self, run_id: int) -> dict[str, Any]:
         """``flwr ls --run-id`` as a dict (``status`` is e.g. ``finished:completed``)."""
         res = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
-        data = json.loads(res.stdout[res.stdout.index("{"):])
+        data = json.loads(res.stdout[res.stdout.index("{") :])
         runs = data.get("runs") or []
         if not data.get("success") or not runs:
             raise DeploymentError(f"flwr ls found no run {run_id}: {res.stdout.strip()}")

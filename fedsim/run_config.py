@@ -96,8 +96,9 @@ class Setting:
             if self.type is float:
                 return float(value)
         except (TypeError, ValueError):
-            raise RunConfigError(f"{self.key}: expected {'an' if self.type is int else 'a'} "
-                                 f"{self.type.__name__}, got {value!r}") from None
+            raise RunConfigError(
+                f"{self.key}: expected {'an' if self.type is int else 'a'} {self.type.__name__}, got {value!r}"
+            ) from None
         return str(value)
 
     def validate(self, value: Any) -> None:
@@ -159,70 +160,171 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("dataset", "mnist", "dataset (mnist, cifar10, imagenet)", group="model"),
     Setting("p", 0.25, "dropout rate of the model", range=Range(0, 1, high_open=True), group="model"),
     Setting("model-seed", 0, "seed of the initial global model", group="model"),
-    Setting("model-options", "{}", "JSON object of build_model options, e.g. '{\"width\": 64}'",
-            check=_check_model_options, group="model"),
+    Setting(
+        "model-options",
+        "{}",
+        "JSON object of build_model options, e.g. '{\"width\": 64}'",
+        check=_check_model_options,
+        group="model",
+    ),
     # federation
     Setting("num-clients", 10, "number of clients (SuperNodes)", range=_AT_LEAST_1, group="federation"),
     Setting("num-server-rounds", 3, "number of server rounds", range=_AT_LEAST_1, group="federation"),
-    Setting("fraction-train", 1.0, "fraction of the clients sampled for training each round",
-            range=Range(0, 1, low_open=True), group="federation"),
-    Setting("fraction-evaluate", 0.0, "fraction of the clients that evaluate each round (0: the server "
-            "evaluates centrally only)", range=_UNIT, group="federation"),
-    Setting("partitioning", "iid", "how the training split is divided among the clients",
-            choices=("iid", "dirichlet"), group="federation"),
-    Setting("dirichlet-alpha", 0.5, "Dirichlet concentration (small: strong label skew)", range=_POSITIVE,
-            group="federation"),
+    Setting(
+        "fraction-train",
+        1.0,
+        "fraction of the clients sampled for training each round",
+        range=Range(0, 1, low_open=True),
+        group="federation",
+    ),
+    Setting(
+        "fraction-evaluate",
+        0.0,
+        "fraction of the clients that evaluate each round (0: the server evaluates centrally only)",
+        range=_UNIT,
+        group="federation",
+    ),
+    Setting(
+        "partitioning",
+        "iid",
+        "how the training split is divided among the clients",
+        choices=("iid", "dirichlet"),
+        group="federation",
+    ),
+    Setting(
+        "dirichlet-alpha",
+        0.5,
+        "Dirichlet concentration (small: strong label skew)",
+        range=_POSITIVE,
+        group="federation",
+    ),
     Setting("seed", 0, "seed of the partitions and the clients' local training", group="federation"),
     # local training
     Setting("local-epochs", 1, "local epochs per round", range=_AT_LEAST_1, group="local training"),
-    Setting("local-steps", 0, "> 0: this many local batches per round instead of epochs", range=_AT_LEAST_0,
-            group="local training"),
+    Setting(
+        "local-steps",
+        0,
+        "> 0: this many local batches per round instead of epochs",
+        range=_AT_LEAST_0,
+        group="local training",
+    ),
     Setting("batch-size", 64, "local training batch size", range=_AT_LEAST_1, group="local training"),
     Setting("lr", 1e-3, "local learning rate", range=_AT_LEAST_0, group="local training"),
     Setting("optimizer", "adam", "local optimizer", choices=OPTIMIZERS, group="local training"),
     Setting("momentum", 0.0, "SGD momentum", range=_AT_LEAST_0, group="local training"),
-    Setting("batch-order", "shuffled", "order of the local batches: a fresh seeded permutation per epoch, or "
-            "the partition's order", choices=BATCH_ORDERS, group="local training"),
+    Setting(
+        "batch-order",
+        "shuffled",
+        "order of the local batches: a fresh seeded permutation per epoch, or the partition's order",
+        choices=BATCH_ORDERS,
+        group="local training",
+    ),
     # defenses: Flower client mods and strategy wrappers (fedsim.defenses)
-    Setting("defense", "none", "defense of the clients' updates: " + "; ".join(f"{d.name}: {d.help}"
-            for d in DEFENSES.values()), choices=DEFENSES.keys(), group="defense"),
-    Setting("clip-norm", 1.0, "DP defenses: L2 clipping norm of each client's update (local DP: also its "
-            "sensitivity)", range=_POSITIVE, group="defense"),
-    Setting("noise-multiplier", 1.0, "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * "
-            "clip-norm / sampled clients", range=_POSITIVE, group="defense"),
-    Setting("dp-epsilon", 10.0, "local DP: epsilon of each client's Gaussian mechanism", range=_POSITIVE,
-            group="defense"),
-    Setting("dp-delta", 1e-5, "local DP: delta of each client's Gaussian mechanism", range=Range(0, 1, True, True),
-            group="defense"),
-    Setting("prune-fraction", 0.1, "prune: the fraction of each update tensor's entries kept (largest magnitude)",
-            range=Range(0, 1, low_open=True), group="defense"),
+    Setting(
+        "defense",
+        "none",
+        "defense of the clients' updates: " + "; ".join(f"{d.name}: {d.help}" for d in DEFENSES.values()),
+        choices=DEFENSES.keys(),
+        group="defense",
+    ),
+    Setting(
+        "clip-norm",
+        1.0,
+        "DP defenses: L2 clipping norm of each client's update (local DP: also its sensitivity)",
+        range=_POSITIVE,
+        group="defense",
+    ),
+    Setting(
+        "noise-multiplier",
+        1.0,
+        "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * clip-norm / sampled clients",
+        range=_POSITIVE,
+        group="defense",
+    ),
+    Setting(
+        "dp-epsilon", 10.0, "local DP: epsilon of each client's Gaussian mechanism", range=_POSITIVE, group="defense"
+    ),
+    Setting(
+        "dp-delta",
+        1e-5,
+        "local DP: delta of each client's Gaussian mechanism",
+        range=Range(0, 1, True, True),
+        group="defense",
+    ),
+    Setting(
+        "prune-fraction",
+        0.1,
+        "prune: the fraction of each update tensor's entries kept (largest magnitude)",
+        range=Range(0, 1, low_open=True),
+        group="defense",
+    ),
     # capture / audit
-    Setting("capture-rounds", "", "rounds the curious server captures: '' none, 'all', or '1,3,5'",
-            check=_check_capture_rounds, group="capture"),
-    Setting("capture-kind", "gradient", "gradient: one-step SGD rounds on B victims; update: normal rounds",
-            choices=("gradient", "update"), group="capture"),
-    Setting("capture-images", 0, "update capture rounds: each client trains on this many images drawn from its "
-            "partition, a victim set small enough to reconstruct (0: its whole partition)", range=_AT_LEAST_0,
-            group="capture"),
-    Setting("victim-batch-size", 1, "B, the victim images of a one-step capture round", range=_AT_LEAST_1,
-            group="capture"),
-    Setting("onestep-lr", 1e-3, "learning rate of a one-step round (small: it should not disturb training)",
-            range=_POSITIVE, group="capture"),
-    Setting("onestep-float64", True, "send one-step weights in float64 so (global - local)/lr is exact",
-            group="capture"),
-    Setting("labels", "known", "known: a one-step reply discloses its labels (the paper's assumption); "
-            "recovered: it does not, and the attacker recovers them from the gradient",
-            choices=("known", "recovered"), group="capture"),
-    Setting("audit", False, "clients also return the oracle (true images, labels, masks); measurements only",
-            group="capture"),
+    Setting(
+        "capture-rounds",
+        "",
+        "rounds the curious server captures: '' none, 'all', or '1,3,5'",
+        check=_check_capture_rounds,
+        group="capture",
+    ),
+    Setting(
+        "capture-kind",
+        "gradient",
+        "gradient: one-step SGD rounds on B victims; update: normal rounds",
+        choices=("gradient", "update"),
+        group="capture",
+    ),
+    Setting(
+        "capture-images",
+        0,
+        "update capture rounds: each client trains on this many images drawn from its "
+        "partition, a victim set small enough to reconstruct (0: its whole partition)",
+        range=_AT_LEAST_0,
+        group="capture",
+    ),
+    Setting(
+        "victim-batch-size", 1, "B, the victim images of a one-step capture round", range=_AT_LEAST_1, group="capture"
+    ),
+    Setting(
+        "onestep-lr",
+        1e-3,
+        "learning rate of a one-step round (small: it should not disturb training)",
+        range=_POSITIVE,
+        group="capture",
+    ),
+    Setting(
+        "onestep-float64", True, "send one-step weights in float64 so (global - local)/lr is exact", group="capture"
+    ),
+    Setting(
+        "labels",
+        "known",
+        "known: a one-step reply discloses its labels (the paper's assumption); "
+        "recovered: it does not, and the attacker recovers them from the gradient",
+        choices=("known", "recovered"),
+        group="capture",
+    ),
+    Setting(
+        "audit",
+        False,
+        "clients also return the oracle (true images, labels, masks); measurements only",
+        group="capture",
+    ),
     # fault injection (reliability tests and drills)
-    Setting("inject-client-failure", "", "'ROUND:PARTITION[,PARTITION...]': those clients raise in that round",
-            check=_check_failure_spec, group="fault injection"),
+    Setting(
+        "inject-client-failure",
+        "",
+        "'ROUND:PARTITION[,PARTITION...]': those clients raise in that round",
+        check=_check_failure_spec,
+        group="fault injection",
+    ),
     # evaluation and output
-    Setting("early-stop-patience", 0, "rounds without a better test accuracy before stopping; 0: off",
-            range=_AT_LEAST_0, group="output"),
-    Setting("eval-batch-size", 1000, "batch size of the server's test evaluation", range=_AT_LEAST_1,
-            group="output"),
+    Setting(
+        "early-stop-patience",
+        0,
+        "rounds without a better test accuracy before stopping; 0: off",
+        range=_AT_LEAST_0,
+        group="output",
+    ),
+    Setting("eval-batch-size", 1000, "batch size of the server's test evaluation", range=_AT_LEAST_1, group="output"),
     Setting("run-dir", "runs/fedsim", "run folder (must be new or empty)", group="output"),
     Setting("data-root", "data", "dataset folder (downloads go here when the network allows)", group="output"),
     Setting("download", True, "try to download datasets that are not under data-root", group="output"),

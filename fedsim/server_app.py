@@ -99,8 +99,11 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     )
     final_state = result.arrays.to_torch_state_dict() if result.arrays is not None else model.state_dict()
     with atomic_path(run_dir / "final_model.safetensors") as tmp:
-        save_file({k: v.contiguous() for k, v in final_state.items()}, str(tmp),
-                  metadata={"spec": json.dumps(task.model_spec(cfg).to_dict())})
+        save_file(
+            {k: v.contiguous() for k, v in final_state.items()},
+            str(tmp),
+            metadata={"spec": json.dumps(task.model_spec(cfg).to_dict())},
+        )
     summary = {
         "rounds": rows,
         "final_accuracy": rows[-1]["accuracy"] if rows else None,

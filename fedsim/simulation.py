@@ -30,7 +30,10 @@ def new_run_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], Pa
 
 
 def run_simulation_job(
-    config: Mapping[str, Any] | None = None, *, cpus_per_client: float = 1.0, verbose: bool = False,
+    config: Mapping[str, Any] | None = None,
+    *,
+    cpus_per_client: float = 1.0,
+    verbose: bool = False,
     quiet: bool = False,
 ) -> Path:
     """Run one simulated federation and return its run folder (see ``fedsim.server_app``).

@@ -172,17 +172,28 @@ class CuriousFedAvg(FedAvg):
                 ((global_state[n].double() - local_state[n].double()) / lr).to(global_state[n].dtype)
                 for n in self._param_names
             ]
-            capture = Capture(kind="gradient", gradient=gradient, labels=labels,
-                              label_policy="known" if labels is not None else "recovered", **common)
+            capture = Capture(
+                kind="gradient",
+                gradient=gradient,
+                labels=labels,
+                label_policy="known" if labels is not None else "recovered",
+                **common,
+            )
         else:
             update = {
                 k: (v.double() - local_state[k].double()).to(v.dtype) if v.is_floating_point() else local_state[k]
                 for k, v in global_state.items()
             }
             step_labels = torch.tensor(meta["step-labels"], dtype=torch.int64) if "step-labels" in meta else None
-            capture = Capture(kind="update", update=update, labels=labels, step_labels=step_labels,
-                              label_policy="known" if labels is not None else "recovered",
-                              local_steps=int(meta.get("local-steps", 1)), **common)
+            capture = Capture(
+                kind="update",
+                update=update,
+                labels=labels,
+                step_labels=step_labels,
+                label_policy="known" if labels is not None else "recovered",
+                local_steps=int(meta.get("local-steps", 1)),
+                **common,
+            )
         if self.capture_dir is not None:
             self.capture_paths.append(save_capture(self.capture_dir, capture))
         if self.keep_in_memory:
@@ -218,7 +229,9 @@ def _wire_batches(blob: bytes) -> list[list[int]] | None:
     if "batches" not in metadata:
         return None
     batches = json.loads(metadata["batches"])
-    if not (isinstance(batches, list) and all(isinstance(b, list) and all(isinstance(i, int) for i in b) for b in batches)):
+    if not (
+        isinstance(batches, list) and all(isinstance(b, list) and all(isinstance(i, int) for i in b) for b in batches)
+    ):
         raise CaptureError("oracle batch order is not a list of index lists")
     return batches
 

@@ -34,8 +34,11 @@ def make_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor] | None 
 
 def check_defense(cfg: Mapping[str, Any]) -> None:
     """RunConfigError when the run's defense cannot be applied to its model (fedsim.defenses.check_run)."""
-    dtypes = ({k: v.dtype for k, v in make_model(cfg).state_dict().items()}
-              if DEFENSES[str(cfg["defense"])].needs_float_state else None)
+    dtypes = (
+        {k: v.dtype for k, v in make_model(cfg).state_dict().items()}
+        if DEFENSES[str(cfg["defense"])].needs_float_state
+        else None
+    )
     problem = check_run(cfg, dtypes)
     if problem:
         raise RunConfigError(problem)
@@ -76,10 +79,15 @@ def local_plan(cfg: Mapping[str, Any], *, one_step: bool, seed: int, record_mask
     if one_step:
         return one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"]))
     steps = int(cfg["local-steps"])
-    schedule = Schedule(epochs=int(cfg["local-epochs"]) if steps <= 0 else 10**9, batch_size=int(cfg["batch-size"]),
-                        max_steps=max(steps, 0), order=str(cfg["batch-order"]))
-    optimizer = OptimizerSpec(str(cfg["optimizer"]), float(cfg["lr"]),
-                              momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0)
+    schedule = Schedule(
+        epochs=int(cfg["local-epochs"]) if steps <= 0 else 10**9,
+        batch_size=int(cfg["batch-size"]),
+        max_steps=max(steps, 0),
+        order=str(cfg["batch-order"]),
+    )
+    optimizer = OptimizerSpec(
+        str(cfg["optimizer"]), float(cfg["lr"]), momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0
+    )
     return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed)
 
 
@@ -98,7 +106,11 @@ def evaluate(model: nn.Module, data: Dataset, batch_size: int = 1000) -> dict[st
 
 
 def victim_batch(
-    cfg: Mapping[str, Any], dataset: Dataset, indices: np.ndarray, server_round: int, partition_id: int,
+    cfg: Mapping[str, Any],
+    dataset: Dataset,
+    indices: np.ndarray,
+    server_round: int,
+    partition_id: int,
     count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` (default B) victims of this client's partition, drawn afresh per round (seeded by run

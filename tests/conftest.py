@@ -23,8 +23,10 @@ def paper_victims_or_skip(dataset: str) -> Path:
     try:
         return paper_victims(dataset, ROOT / "data", allow_download=False)
     except VictimFileError:
-        pytest.skip(f"the paper's {dataset} victims are not in {paper_victims_path(dataset, ROOT / 'data')} "
-                    f"(run `make victims`)")
+        pytest.skip(
+            f"the paper's {dataset} victims are not in {paper_victims_path(dataset, ROOT / 'data')} "
+            f"(run `make victims`)"
+        )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -17,8 +17,13 @@ class FakeGrid:
 
 
 def client_context(partition_id: int, node_id: int) -> Context:
-    return Context(run_id=1, node_id=node_id, node_config={"partition-id": partition_id, "num-partitions": 2},
-                   state=RecordDict(), run_config={})
+    return Context(
+        run_id=1,
+        node_id=node_id,
+        node_config={"partition-id": partition_id, "num-partitions": 2},
+        state=RecordDict(),
+        run_config={},
+    )
 
 
 def context_for(msg: Message) -> Context:

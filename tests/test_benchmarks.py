@@ -9,11 +9,14 @@ from attack_throughput import engine_step, make_module
 from plain_baseline import plain_attacks, run_plain
 
 
-@pytest.mark.parametrize("model,dataset,weights", [
-    ("mlp", "mnist", {}),
-    ("mlp", "mnist", {"tv_weight": 0.1, "lambda_mask": 0.1}),  # large enough that a missing term shows
-    ("lenet", "mnist", {}),
-])
+@pytest.mark.parametrize(
+    "model,dataset,weights",
+    [
+        ("mlp", "mnist", {}),
+        ("mlp", "mnist", {"tv_weight": 0.1, "lambda_mask": 0.1}),  # large enough that a missing term shows
+        ("lenet", "mnist", {}),
+    ],
+)
 def test_plain_loop_runs_the_engines_attack(model, dataset, weights):
     torch.manual_seed(0)
     V, steps = 2, 3
@@ -37,8 +40,9 @@ def test_gpu_check_without_a_gpu_exits_with_one_line(monkeypatch, capsys):
 def test_bench_times_the_bf16_path_beside_the_others(capsys):
     from attack_throughput import main
 
-    rows = main(["--models", "mlp", "--jobs", "2", "--iterations", "1", "--repeats", "1",
-                 "--baseline-victims", "1", "--bf16"])
+    rows = main(
+        ["--models", "mlp", "--jobs", "2", "--iterations", "1", "--repeats", "1", "--baseline-victims", "1", "--bf16"]
+    )
     assert [r["path"] for r in rows] == ["baseline", "dense", "factored", "fact+bf16"]
     assert all(r["rate"] > 0 for r in rows)
     line = next(x for x in capsys.readouterr().out.splitlines() if "fact+bf16" in x)

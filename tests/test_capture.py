@@ -44,7 +44,9 @@ def make_capture(kind: str = "gradient", round_: int = 3, client: int = 1) -> Ca
         label_policy="known" if kind == "gradient" else "recovered",
         param_names=names,
         gradient=grads if kind == "gradient" else None,
-        update={k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in weights.items()} if kind == "update" else None,
+        update={k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+        if kind == "update"
+        else None,
         labels=torch.tensor([3, 7]) if kind == "gradient" else None,
         hyperparameters={"lr": 0.01, "optimizer": "sgd"},
     )
@@ -81,8 +83,14 @@ def test_update_capture_and_oracle_round_trip(tmp_path: Path) -> None:
     assert json.loads((path / "record.json").read_text())["label_policy"] == "recovered"
     assert all(torch.equal(loaded.update[k], v) for k, v in original.update.items())
 
-    oracle = OracleRecord(torch.randn(2, 1, 28, 28), torch.tensor([3, 7]),
-                          [torch.ones(2, 16), torch.zeros(2, 16)], round=3, client=1, node_id=5)
+    oracle = OracleRecord(
+        torch.randn(2, 1, 28, 28),
+        torch.tensor([3, 7]),
+        [torch.ones(2, 16), torch.zeros(2, 16)],
+        round=3,
+        client=1,
+        node_id=5,
+    )
     opath = save_oracle(tmp_path / "oracle", oracle)
     assert list_oracles(tmp_path) == [opath]
     back = load_oracle(opath)

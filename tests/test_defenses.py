@@ -27,8 +27,18 @@ def task_identity() -> None:
 
 @pytest.fixture(scope="module")
 def base() -> dict[str, Any]:
-    return offline_config({"local-steps": 2, "batch-size": 8, "capture-images": 8, "model-options": '{"width": 64}',
-                           "optimizer": "sgd", "lr": 0.1, "clip-norm": 0.05, "prune-fraction": 0.2})
+    return offline_config(
+        {
+            "local-steps": 2,
+            "batch-size": 8,
+            "capture-images": 8,
+            "model-options": '{"width": 64}',
+            "optimizer": "sgd",
+            "lr": 0.1,
+            "clip-norm": 0.05,
+            "prune-fraction": 0.2,
+        }
+    )
 
 
 _context = context_for
@@ -43,8 +53,16 @@ def _federated_round(cfg: dict[str, Any], kind: str, monkeypatch: pytest.MonkeyP
     """One capture round through the defense's parts: the wrapped strategy configures, the ClientApp
     (with its mods) replies, the wrapper aggregates. Returns the inner strategy, the global state, the
     messages sent, and the replies FedAvg's aggregation received (what it averaged)."""
-    inner = CuriousFedAvg(task.model_spec(cfg), capture_rounds={1}, capture_kind=kind, keep_in_memory=True,
-                          defense=cfg["defense"], min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0)
+    inner = CuriousFedAvg(
+        task.model_spec(cfg),
+        capture_rounds={1},
+        capture_kind=kind,
+        keep_in_memory=True,
+        defense=cfg["defense"],
+        min_available_nodes=2,
+        min_train_nodes=2,
+        fraction_evaluate=0.0,
+    )
     server = defenses.wrap_strategy(inner, cfg, 2)
     aggregated: list[dict[str, torch.Tensor]] = []
     original = FedAvg.aggregate_train
@@ -68,8 +86,9 @@ def _norm(update: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((v.double() ** 2).sum() for v in update.values())))
 
 
-def test_no_defense_captures_the_clients_update_bit_for_bit(base: dict[str, Any],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_defense_captures_the_clients_update_bit_for_bit(
+    base: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = dict(base, defense="none")
     inner, global_state, messages, _, _ = _federated_round(cfg, "update", monkeypatch)
     assert len(inner.captures) == 2
@@ -84,8 +103,9 @@ def test_no_defense_captures_the_clients_update_bit_for_bit(base: dict[str, Any]
 
 @pytest.mark.parametrize("defense", ["local-dp", "central-dp-client-clipping", "central-dp-server-clipping", "prune"])
 @pytest.mark.parametrize("kind", ["update", "gradient"])
-def test_each_defense_captures_what_the_strategy_aggregated(base: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-                                                            defense: str, kind: str) -> None:
+def test_each_defense_captures_what_the_strategy_aggregated(
+    base: dict[str, Any], monkeypatch: pytest.MonkeyPatch, defense: str, kind: str
+) -> None:
     cfg = dict(base, defense=defense)
     inner, global_state, messages, aggregated, result = _federated_round(cfg, kind, monkeypatch)
     assert len(inner.captures) == 2 and len(aggregated) == 2
@@ -98,10 +118,15 @@ def test_each_defense_captures_what_the_strategy_aggregated(base: dict[str, Any]
             for name, got in zip(capture.param_names, capture.gradient, strict=True):
                 want = ((global_state[name].double() - local[name].double()) / capture.lr).to(got.dtype)
                 assert torch.equal(got, want)
-        direct = _update(global_state, handle_train(
-            next(m for m in messages if m.metadata.dst_node_id == capture.node_id),
-            _context(next(m for m in messages if m.metadata.dst_node_id == capture.node_id)),
-        ).content["arrays"].to_torch_state_dict())
+        direct = _update(
+            global_state,
+            handle_train(
+                next(m for m in messages if m.metadata.dst_node_id == capture.node_id),
+                _context(next(m for m in messages if m.metadata.dst_node_id == capture.node_id)),
+            )
+            .content["arrays"]
+            .to_torch_state_dict(),
+        )
         if defense.startswith("central-dp"):  # clipped to clip-norm, and no noise in what the server saw
             assert _norm(update) <= cfg["clip-norm"] * (1 + 1e-5)
             scale = _norm(update) / _norm(direct)
@@ -130,9 +155,13 @@ def test_prune_update_keeps_the_largest_entries() -> None:
 
 def test_evaluate_messages_pass_no_defense(base: dict[str, Any]) -> None:
     cfg = dict(base, defense="local-dp")
-    msg = Message(content=RecordDict({"arrays": ArrayRecord(task.make_model(cfg).state_dict()),
-                                      "config": ConfigRecord(dict(cfg))}), dst_node_id=NODE_IDS[0],
-                  message_type="evaluate")
+    msg = Message(
+        content=RecordDict(
+            {"arrays": ArrayRecord(task.make_model(cfg).state_dict()), "config": ConfigRecord(dict(cfg))}
+        ),
+        dst_node_id=NODE_IDS[0],
+        message_type="evaluate",
+    )
     reply = app(msg, _context(msg))
     assert not reply.has_error() and "accuracy" in reply.content["metrics"]
 
@@ -159,19 +188,26 @@ def test_bad_defense_settings_are_refused(overrides: dict[str, Any], words: str)
 
 def test_dp_needs_a_model_whose_state_flower_can_clip() -> None:
     for name in ("local-dp", "central-dp-client-clipping", "central-dp-server-clipping"):
-        problem = defenses.check_run({"defense": name, "model": "resnet18"},
-                                     {"fc.weight": torch.float32, "bn1.num_batches_tracked": torch.int64})
+        problem = defenses.check_run(
+            {"defense": name, "model": "resnet18"}, {"fc.weight": torch.float32, "bn1.num_batches_tracked": torch.int64}
+        )
         assert problem and "num_batches_tracked" in problem and name in problem
-    assert defenses.check_run({"defense": "prune", "model": "resnet18"}, {"bn.num_batches_tracked": torch.int64}) is None
+    assert (
+        defenses.check_run({"defense": "prune", "model": "resnet18"}, {"bn.num_batches_tracked": torch.int64}) is None
+    )
     problem = defenses.check_run({"defense": "central-dp-server-clipping", "inject-client-failure": "1:0"}, None)
     assert problem and "drops a whole round" in problem
     assert defenses.check_run({"defense": "local-dp", "inject-client-failure": "1:0"}, None) is None
 
 
 @pytest.mark.parametrize("defense", ["prune", "central-dp-server-clipping"])
-def test_the_attack_knows_the_defense_and_names_its_adaptation(base: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                               defense: str) -> None:
+def test_the_attack_knows_the_defense_and_names_its_adaptation(
+    base: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    defense: str,
+) -> None:
     from attacker.captures import jobs_from_captures
     from attacker.cli import main as attacker_main
     from attacker.jobs import support_mask
@@ -193,8 +229,21 @@ def test_the_attack_knows_the_defense_and_names_its_adaptation(base: dict[str, A
         else:
             assert not job.match_support and mask is None
     out = tmp_path / "attack"
-    code = attacker_main(["run", "--captures", str(run), "--attacks", "ig_eval", "--iterations", "2", "--no-lpips",
-                          "--quiet", "--out", str(out)])
+    code = attacker_main(
+        [
+            "run",
+            "--captures",
+            str(run),
+            "--attacks",
+            "ig_eval",
+            "--iterations",
+            "2",
+            "--no-lpips",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     report = (out / "report.md").read_text()
     assert f"the attack's adaptation: {adaptation}." in report
@@ -221,11 +270,24 @@ def test_ray_simulation_applies_client_clipping_and_the_wrapper(base: dict[str, 
     """The simulation engine: the ClientApp's mod clips, the server's wrapper noises the aggregate."""
     from fedsim.simulation import load_results, run_simulation_job
 
-    run_dir = run_simulation_job({
-        "num-clients": 2, "num-server-rounds": 1, "capture-rounds": "1", "capture-kind": "update", "download": False,
-        "local-steps": 2, "batch-size": 4, "capture-images": 8, "model-options": '{"width": 64}', "optimizer": "sgd",
-        "lr": 0.05, "defense": "central-dp-client-clipping", "clip-norm": 0.01, "run-dir": str(tmp_path / "run"),
-    })
+    run_dir = run_simulation_job(
+        {
+            "num-clients": 2,
+            "num-server-rounds": 1,
+            "capture-rounds": "1",
+            "capture-kind": "update",
+            "download": False,
+            "local-steps": 2,
+            "batch-size": 4,
+            "capture-images": 8,
+            "model-options": '{"width": 64}',
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "defense": "central-dp-client-clipping",
+            "clip-norm": 0.01,
+            "run-dir": str(tmp_path / "run"),
+        }
+    )
     found = _norms_and_density(run_dir)
     assert len(found) == 2 and load_results(run_dir)["rounds_run"] == 1
     assert all(d == "central-dp-client-clipping" and abs(n - 0.01) < 1e-4 for d, n, _ in found), found
@@ -236,10 +298,22 @@ def test_deployment_applies_the_prune_mod(base: dict[str, Any], tmp_path: Path) 
     from fedsim.deployment import LocalDeployment
 
     run_dir = tmp_path / "run"
-    cfg = resolve_config({"num-clients": 2, "num-server-rounds": 1, "capture-rounds": "1", "capture-kind": "update",
-                          "download": False, "local-steps": 2, "batch-size": 4, "capture-images": 8,
-                          "model-options": '{"width": 64}', "defense": "prune", "prune-fraction": 0.1,
-                          "run-dir": str(run_dir)})
+    cfg = resolve_config(
+        {
+            "num-clients": 2,
+            "num-server-rounds": 1,
+            "capture-rounds": "1",
+            "capture-kind": "update",
+            "download": False,
+            "local-steps": 2,
+            "batch-size": 4,
+            "capture-images": 8,
+            "model-options": '{"width": 64}',
+            "defense": "prune",
+            "prune-fraction": 0.1,
+            "run-dir": str(run_dir),
+        }
+    )
     cfg["data-root"] = str(Path(cfg["data-root"]).resolve())
     with LocalDeployment(2, tmp_path / "work") as dep:
         result = dep.run(cfg, timeout=300)
@@ -256,25 +330,35 @@ def _halve_mods(cfg: Any) -> list[Any]:
         sent = msg.content["arrays"].to_numpy_ndarrays()
         reply = call_next(msg, context)
         record = reply.content["arrays"]
-        reply.content["arrays"] = ArrayRecord({key: Array(np.ascontiguousarray(start - (start - local) / 2))
-                                               for key, local, start in zip(record.keys(), record.to_numpy_ndarrays(),
-                                                                            sent, strict=True)})
+        reply.content["arrays"] = ArrayRecord(
+            {
+                key: Array(np.ascontiguousarray(start - (start - local) / 2))
+                for key, local, start in zip(record.keys(), record.to_numpy_ndarrays(), sent, strict=True)
+            }
+        )
         return reply
 
     return [halve]
 
 
-def test_a_defense_is_one_table_entry(base: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_defense_is_one_table_entry(
+    base: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A new defense added only as a `Defense` in `DEFENSES`: the run config takes its name, the
     ClientApp runs its mod, the capture names it, and a one-iteration attack reports its adaptation."""
     from attacker.cli import main as attacker_main
     from fedsim.capture import save_capture
 
     calls: list[int] = []
-    toy = defenses.Defense("halve", "send half the update", lambda c: calls.append(1) or _halve_mods(c), None,
-                           "half the client's update",
-                           "none needed: a scaled update has the same cosine distance", family="halving")
+    toy = defenses.Defense(
+        "halve",
+        "send half the update",
+        lambda c: calls.append(1) or _halve_mods(c),
+        None,
+        "half the client's update",
+        "none needed: a scaled update has the same cosine distance",
+        family="halving",
+    )
     monkeypatch.setitem(defenses.DEFENSES, "halve", toy)
     cfg = resolve_config(dict(base, defense="halve"))
     inner, *_ = _federated_round(cfg, "gradient", monkeypatch)
@@ -284,7 +368,20 @@ def test_a_defense_is_one_table_entry(base: dict[str, Any], monkeypatch: pytest.
     for capture in inner.captures:
         save_capture(run / "captures", capture)
     out = tmp_path / "attack"
-    code = attacker_main(["run", "--captures", str(run), "--attacks", "dia", "--iterations", "1", "--no-lpips",
-                          "--quiet", "--out", str(out)])
+    code = attacker_main(
+        [
+            "run",
+            "--captures",
+            str(run),
+            "--attacks",
+            "dia",
+            "--iterations",
+            "1",
+            "--no-lpips",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     assert f"the attack's adaptation: {toy.adaptation}." in (out / "report.md").read_text()

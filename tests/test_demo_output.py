@@ -61,8 +61,13 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
     monkeypatch.setattr(sys.modules["flwr.simulation.run_simulation"], "_run_simulation", fake_run_simulation)
     monkeypatch.delenv("FLWR_LOG_LEVEL", raising=False)
-    return {"num-clients": 2, "num-server-rounds": 1, "download": False,
-            "data-root": str(tmp_path / "data"), "run-dir": str(run_dir)}
+    return {
+        "num-clients": 2,
+        "num-server-rounds": 1,
+        "download": False,
+        "data-root": str(tmp_path / "data"),
+        "run-dir": str(run_dir),
+    }
 
 
 def test_flowers_deprecation_of_run_simulation_is_dropped_and_nothing_else(engine, flwr_records) -> None:
@@ -114,4 +119,7 @@ def test_the_actors_shutdown_notice_is_dropped_in_every_process_that_applies_the
     log(logging.WARNING, "Manually terminating %s", "ClientAppActor")
     log(logging.WARNING, "Manually terminating %s", "SomethingElse")
     log(logging.WARNING, OTHER_WARNING, "(kept)")
-    assert flwr_records.text().splitlines() == ["Manually terminating SomethingElse", "Some other Flower warning (kept)"]
+    assert flwr_records.text().splitlines() == [
+        "Manually terminating SomethingElse",
+        "Some other Flower warning (kept)",
+    ]

@@ -35,8 +35,17 @@ def offline_mnist() -> None:
 
 
 def _config(run_dir: Path, **extra: Any) -> dict[str, Any]:
-    cfg = resolve_config({"num-clients": 2, "num-server-rounds": 2, "capture-rounds": "all", "download": False,
-                          "victim-batch-size": 2, "run-dir": str(run_dir), **extra})
+    cfg = resolve_config(
+        {
+            "num-clients": 2,
+            "num-server-rounds": 2,
+            "capture-rounds": "all",
+            "download": False,
+            "victim-batch-size": 2,
+            "run-dir": str(run_dir),
+            **extra,
+        }
+    )
     cfg["data-root"] = str(Path(cfg["data-root"]).resolve())
     return cfg
 
@@ -97,9 +106,30 @@ def test_cli_deploy_local_with_tls_and_supernode_auth(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
     subprocess.run(["bash", str(MAKE_CERTS), str(certs), "2"], check=True, capture_output=True, timeout=120)
     run_dir = tmp_path / "run"
-    rc = main(["deploy-local", "--clients", "2", "--rounds", "1", "--capture-rounds", "1", "--victim-batch-size", "2",
-               "--no-download", "--data-root", str(Path("data").resolve()), "--run-dir", str(run_dir),
-               "--tls-dir", str(certs), "--node-auth", "--quiet", "--timeout", "300"])
+    rc = main(
+        [
+            "deploy-local",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--capture-rounds",
+            "1",
+            "--victim-batch-size",
+            "2",
+            "--no-download",
+            "--data-root",
+            str(Path("data").resolve()),
+            "--run-dir",
+            str(run_dir),
+            "--tls-dir",
+            str(certs),
+            "--node-auth",
+            "--quiet",
+            "--timeout",
+            "300",
+        ]
+    )
     logs = run_dir / "deployment" / "logs"
     assert rc == 0, "\n".join(f.read_text()[-2000:] for f in sorted(logs.glob("*.log")))
     superlink_log = (logs / "superlink.log").read_text()
@@ -126,6 +156,7 @@ def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(tmp_path: P
     cfg = _config(run_dir, **{"num-server-rounds": 4, "local-steps": 2})
     outcome: dict[str, Any] = {}
     with LocalDeployment(2, tmp_path / "work") as dep:
+
         def submit() -> None:
             try:
                 outcome["result"] = dep.run(cfg, timeout=90)

@@ -16,14 +16,21 @@ from fedsim.models import ModelSpec, build_model, mask_shapes, set_dropout_mode,
 
 def _fit(module, max_epochs=1, callbacks=(), ckpt_path=None):
     trainer = L.Trainer(
-        max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return module.results()
 
 
-@pytest.mark.parametrize("name,dataset", [("mlp", "mnist"), ("vit", "mnist"), ("lenet", "mnist"), ("resnet18", "cifar10")])
+@pytest.mark.parametrize(
+    "name,dataset", [("mlp", "mnist"), ("vit", "mnist"), ("lenet", "mnist"), ("resnet18", "cifar10")]
+)
 def test_per_job_terms_equal_autograd(name, dataset):
     model = build_model(name, dataset, 0.25, seed=0, **({"depth": 1} if name == "vit" else {}))
     for p in model.parameters():
@@ -48,7 +55,9 @@ def test_per_job_terms_equal_autograd(name, dataset):
             p.requires_grad_(False)
         set_masks(model, masks)
         torch.testing.assert_close(terms.dot[:, j], ref.dot[:, 0], rtol=1e-4, atol=1e-4 * ref.dot.abs().max().item())
-        torch.testing.assert_close(terms.norm2[:, j], ref.norm2[:, 0], rtol=1e-4, atol=1e-4 * ref.norm2.abs().max().item())
+        torch.testing.assert_close(
+            terms.norm2[:, j], ref.norm2[:, 0], rtol=1e-4, atol=1e-4 * ref.norm2.abs().max().item()
+        )
 
 
 def test_batchnorm_is_reported_unsupported():
@@ -63,7 +72,11 @@ def _jobs(mnist_like, p=0.25, n=3):
 
 def test_three_batched_jobs_equal_three_single_runs(mnist_like):
     jobs, oracles = _jobs(mnist_like)
-    attacks = [make_attack("dia", max_iterations=40), make_attack("ig_eval", max_iterations=40), make_attack("wiig", max_iterations=40)]
+    attacks = [
+        make_attack("dia", max_iterations=40),
+        make_attack("ig_eval", max_iterations=40),
+        make_attack("wiig", max_iterations=40),
+    ]
     given = [None, None, oracles[2]]  # only WIIG receives the oracle
     module = InversionModule(jobs, attacks, given)
     module.chunk = 40
@@ -102,7 +115,10 @@ def test_mlp_attacks_reach_the_papers_ordering(mnist_like):
 
 def test_stop_rules(mnist_like):
     jobs, oracles = _jobs(mnist_like, n=2)
-    attacks = [make_attack("wiig", max_iterations=30, loss_threshold=0.5), make_attack("dia", max_iterations=30, patience=1, lr=1e3)]
+    attacks = [
+        make_attack("wiig", max_iterations=30, loss_threshold=0.5),
+        make_attack("dia", max_iterations=30, patience=1, lr=1e3),
+    ]
     module = InversionModule(jobs, attacks, [oracles[0], None])
     module.chunk = 30
     converged, stalled = _fit(module)

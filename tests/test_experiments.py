@@ -21,8 +21,9 @@ def test_every_experiment_file_is_there() -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 @pytest.mark.parametrize("source", ["paper", "builtin"])
-def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypatch: pytest.MonkeyPatch,
-                                              tmp_path: Path) -> None:
+def test_every_cell_builds_a_valid_run_config(
+    path: Path, source: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # The paper victims need not be present: point the lookup at a stand-in file.
     stand_in = tmp_path / "victims.tdump"
     stand_in.write_bytes(b"")
@@ -36,7 +37,11 @@ def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypat
         cfg = ex.build_cell_config(exp, cell, settings)
         assert isinstance(cfg, RunConfig)
         assert (cfg.victims.model, cfg.victims.dataset, cfg.victims.p, cfg.victims.victim_batch_size) == (
-            cell.model, cell.dataset, cell.p, cell.B)
+            cell.model,
+            cell.dataset,
+            cell.p,
+            cell.B,
+        )
         assert cfg.victims.count % cell.B == 0
         # every attack a cell runs has the paper's value (null where the paper has none)
         for attack in cell.attacks:
@@ -51,7 +56,11 @@ def test_every_cell_builds_a_valid_run_config(path: Path, source: str, monkeypat
 def test_paper_values_spot_checks() -> None:
     exps = {p.stem: ex.load_experiment(p) for p in CONFIGS}
     cells = {c.key: c for e in exps.values() for c in e.cells}
-    assert cells["table1-mlp-mnist-p0.25"].paper == {"accuracy": 98.28, "ig_eval": {"ssim": 0.79}, "wiig": {"ssim": 1.0}}
+    assert cells["table1-mlp-mnist-p0.25"].paper == {
+        "accuracy": 98.28,
+        "ig_eval": {"ssim": 0.79},
+        "wiig": {"ssim": 1.0},
+    }
     assert cells["fig5b-vit-cifar10-p0.75-B16"].paper["dia"] == {"ssim": 0.05, "mmd": 0.43}
     assert cells["fig5c-vit-mnist-lm0.0001-B16"].paper["dia"]["ssim"] == 0.82
     assert cells["table2-resnet18-cifar10-p0.5"].paper["dia"]["ssim"] == 0.70
@@ -67,7 +76,9 @@ def test_victims_round_up_to_batches_and_missing_paper_victims(tmp_path: Path) -
     cfg = ex.build_cell_config(exp, cell, ex.Settings(victims=3, victim_source="builtin"))
     assert cfg.victims.count == 16
     # the paper's victims absent and downloads off: one line naming the file, how to get it, and the way out
-    with pytest.raises(ex.ExperimentError, match=r"dia-victims/MNIST_128\.tdump.*make victims.*--victim-source builtin"):
+    with pytest.raises(
+        ex.ExperimentError, match=r"dia-victims/MNIST_128\.tdump.*make victims.*--victim-source builtin"
+    ):
         ex.build_cell_config(exp, cell, ex.Settings(data_root=str(tmp_path)))
 
 
@@ -75,7 +86,12 @@ def test_cell_filter() -> None:
     exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "table1"))
     pick = lambda *pats: [c.id for _, c in ex.select_cells([exp], ex.Settings(cells=list(pats)))]  # noqa: E731
     assert pick("mlp-mnist-p0") == ["mlp-mnist-p0"]  # an exact id is exact
-    assert pick("table1-vit-cifar10*") == ["vit-cifar10-p0", "vit-cifar10-p0.25", "vit-cifar10-p0.5", "vit-cifar10-p0.75"]
+    assert pick("table1-vit-cifar10*") == [
+        "vit-cifar10-p0",
+        "vit-cifar10-p0.25",
+        "vit-cifar10-p0.5",
+        "vit-cifar10-p0.75",
+    ]
     assert len(pick("cifar10")) == 8  # a plain word that is no id: substring
 
 
@@ -103,8 +119,9 @@ cells:
 """
 
 
-def test_tiny_experiment_runs_reports_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture) -> None:
+def test_tiny_experiment_runs_reports_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     federations: list[dict] = []
@@ -113,14 +130,29 @@ def test_tiny_experiment_runs_reports_and_resumes(tmp_path: Path, monkeypatch: p
         federations.append(cfg)
         run_dir = Path(cfg["run-dir"])
         run_dir.mkdir(parents=True)
-        (run_dir / "results.json").write_text(json.dumps(
-            {"final_accuracy": 0.5, "best_accuracy": 0.6, "rounds_run": cfg["num-server-rounds"]}))
+        (run_dir / "results.json").write_text(
+            json.dumps({"final_accuracy": 0.5, "best_accuracy": 0.6, "rounds_run": cfg["num-server-rounds"]})
+        )
         return run_dir
 
     monkeypatch.setattr(ex.run, "_run_federation", fake_federation)
     out = tmp_path / "out"
-    args = ["experiment", str(config), "--victims", "1", "--iterations", "5", "--victim-source", "builtin",
-            "--no-lpips", "--quiet", "--out", str(out), "--fl-rounds", "2"]
+    args = [
+        "experiment",
+        str(config),
+        "--victims",
+        "1",
+        "--iterations",
+        "5",
+        "--victim-source",
+        "builtin",
+        "--no-lpips",
+        "--quiet",
+        "--out",
+        str(out),
+        "--fl-rounds",
+        "2",
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert "2 run, 0 already finished" in first
@@ -165,19 +197,56 @@ def test_report_only_and_no_accuracy(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert main(["experiment", str(config), "--report-only", "--out", str(out), "--victim-source", "builtin"]) == 0
     report = (out / "results.md").read_text()
     assert "| b | mlp | mnist | 0.5 | 1 | dia | – | – | 0.99 |" in report and "not run" in report
-    assert main(["experiment", str(config), "--cells", "b", "--victims", "1", "--iterations", "3", "--no-accuracy",
-                 "--victim-source", "builtin", "--no-lpips", "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "experiment",
+                str(config),
+                "--cells",
+                "b",
+                "--victims",
+                "1",
+                "--iterations",
+                "3",
+                "--no-accuracy",
+                "--victim-source",
+                "builtin",
+                "--no-lpips",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (out / "cells" / "tiny-b" / "run.json").is_file() and not (out / "cells" / "tiny-a").exists()
 
 
-def test_federated_victims_come_from_the_curious_servers_captures(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_federated_victims_come_from_the_curious_servers_captures(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """--victim-source federated: a real one-round Flower simulation per cell, its round-1
     captures attacked (one victim batch per client, one training step at the random init)."""
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     out = tmp_path / "out"
-    args = ["experiment", str(config), "--cells", "a", "--victims", "2", "--iterations", "5", "--victim-source",
-            "federated", "--no-accuracy", "--no-lpips", "--quiet", "--out", str(out)]
+    args = [
+        "experiment",
+        str(config),
+        "--cells",
+        "a",
+        "--victims",
+        "2",
+        "--iterations",
+        "5",
+        "--victim-source",
+        "federated",
+        "--no-accuracy",
+        "--no-lpips",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0, capsys.readouterr().out
     fed = out / "federations" / "tiny-a"
     assert json.loads((fed / "results.json").read_text())["num_captures"] == 2
@@ -195,7 +264,17 @@ cells:
 - {id: d, model: mlp, dataset: mnist, p: 0.25, victim_batch_size: 2, attacks: [dia], model_options: {width: 32},
    paper: {dia: {ssim: 0.9}}}
 """
-FOUR_ARGS = ["--victims", "2", "--iterations", "20", "--victim-source", "builtin", "--no-lpips", "--quiet", "--no-accuracy"]
+FOUR_ARGS = [
+    "--victims",
+    "2",
+    "--iterations",
+    "20",
+    "--victim-source",
+    "builtin",
+    "--no-lpips",
+    "--quiet",
+    "--no-accuracy",
+]
 
 
 def _dies_once(cfg, run_dir: str, cwd: str, threads: int) -> dict:
@@ -220,13 +299,16 @@ def _result_rows(path: Path) -> list[dict]:
             return text
 
     with path.open() as fh:
-        return [{k: value(v) for k, v in row.items() if not any(w in k for w in ("seconds", "time", "path", "dir"))}
-                for row in csv.DictReader(fh)]
+        return [
+            {k: value(v) for k, v in row.items() if not any(w in k for w in ("seconds", "time", "path", "dir"))}
+            for row in csv.DictReader(fh)
+        ]
 
 
 @pytest.mark.timeout(300)  # a hang fails here, not after the suite's 15 minutes
-def test_cells_on_ray_equal_the_sequential_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture) -> None:
+def test_cells_on_ray_equal_the_sequential_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """Four tiny cells once in this process and once as Ray tasks on a local Ray with two workers
     (2 CPUs, one per task), where one worker dies and Ray's retry reruns its cell: the same results.csv."""
     config = tmp_path / "four.yaml"
@@ -235,8 +317,18 @@ def test_cells_on_ray_equal_the_sequential_run(tmp_path: Path, monkeypatch: pyte
     assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(seq)]) == 0
     capsys.readouterr()
     monkeypatch.setattr(ex.cluster, "CELL_TASK", _dies_once)
-    ray_args = ["experiment", str(config), *FOUR_ARGS, "--out", str(on_ray), "--ray", "--ray-local-cpus", "2",
-                "--ray-cpus-per-task", "1"]
+    ray_args = [
+        "experiment",
+        str(config),
+        *FOUR_ARGS,
+        "--out",
+        str(on_ray),
+        "--ray",
+        "--ray-local-cpus",
+        "2",
+        "--ray-cpus-per-task",
+        "1",
+    ]
     assert main(ray_args) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "4 cell(s) on a local Ray (1 node(s), 2 CPU(s)" in out and "4 run, 0 already finished" in out
@@ -257,17 +349,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ray_flags_that_cannot_work_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_ray_flags_that_cannot_work_are_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     config = tmp_path / "four.yaml"
     config.write_text(FOUR)
     out = tmp_path / "out"
     base = ["experiment", str(config), *FOUR_ARGS, "--out", str(out)]
-    for extra, says in ((["--ray-gpus-per-task", "1"], "--ray-gpus-per-task needs --ray"),
-                        (["--ray", "--ray-gpus-per-task", "1.5"], "a fraction up to 1 or a whole number"),
-                        (["--ray", "--ray-cpus-per-task", "0"], "--ray-cpus-per-task must be positive"),
-                        (["--ray", "host:6379", "--ray-local-cpus", "2"], "sizes a local Ray"),
-                        (["--ray", "--device", "gpu"], "needs a GPU per task"),
-                        (["--ray", "no-port"], "expected ray://HOST:PORT")):
+    for extra, says in (
+        (["--ray-gpus-per-task", "1"], "--ray-gpus-per-task needs --ray"),
+        (["--ray", "--ray-gpus-per-task", "1.5"], "a fraction up to 1 or a whole number"),
+        (["--ray", "--ray-cpus-per-task", "0"], "--ray-cpus-per-task must be positive"),
+        (["--ray", "host:6379", "--ray-local-cpus", "2"], "sizes a local Ray"),
+        (["--ray", "--device", "gpu"], "needs a GPU per task"),
+        (["--ray", "no-port"], "expected ray://HOST:PORT"),
+    ):
         assert main(base + extra) == 2, extra
         printed = capsys.readouterr().out
         assert printed.startswith("error: ") and says in printed and "Traceback" not in printed, printed
@@ -286,7 +382,9 @@ def test_unreachable_ray_address_is_a_quick_user_error(tmp_path: Path, capsys: p
         assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", address]) == 2
         printed = capsys.readouterr().out
         assert time.monotonic() - started < 10
-        assert printed.startswith(f"error: cannot reach the Ray cluster at 127.0.0.1:{port}") and printed.count("\n") == 1
+        assert (
+            printed.startswith(f"error: cannot reach the Ray cluster at 127.0.0.1:{port}") and printed.count("\n") == 1
+        )
         assert not out.exists()  # refused before any work
 
 
@@ -307,10 +405,26 @@ def test_a_ray_address_that_never_answers_times_out(tmp_path: Path) -> None:
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "attacker.cli", "experiment", str(config), *FOUR_ARGS, "--out", str(tmp_path / "out"),
-             "--ray", address, "--ray-timeout", "2"],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path,
-            env={**__import__("os").environ, "PYTHONPATH": str(repo), "RAY_ADDRESS": ""})
+            [
+                sys.executable,
+                "-m",
+                "attacker.cli",
+                "experiment",
+                str(config),
+                *FOUR_ARGS,
+                "--out",
+                str(tmp_path / "out"),
+                "--ray",
+                address,
+                "--ray-timeout",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**__import__("os").environ, "PYTHONPATH": str(repo), "RAY_ADDRESS": ""},
+        )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"error: could not connect to the Ray cluster at {address} within 2 s"), proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -318,8 +432,9 @@ def test_a_ray_address_that_never_answers_times_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("ask", ["gpus", "cpus"])
-def test_resources_no_node_offers_are_refused_right_after_connecting(ask: str, tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_resources_no_node_offers_are_refused_right_after_connecting(
+    ask: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import time
 
     import torch
@@ -327,10 +442,14 @@ def test_resources_no_node_offers_are_refused_right_after_connecting(ask: str, t
     config = tmp_path / "four.yaml"
     config.write_text(FOUR)
     out = tmp_path / "out"
-    flags = {"gpus": ["--ray-gpus-per-task", "64" if torch.cuda.is_available() else "0.25"],
-             "cpus": ["--ray-cpus-per-task", "2"]}[ask]
+    flags = {
+        "gpus": ["--ray-gpus-per-task", "64" if torch.cuda.is_available() else "0.25"],
+        "cpus": ["--ray-cpus-per-task", "2"],
+    }[ask]
     started = time.monotonic()
-    assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", "--ray-local-cpus", "1", *flags]) == 2
+    assert (
+        main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", "--ray-local-cpus", "1", *flags]) == 2
+    )
     printed = capsys.readouterr().out
     assert time.monotonic() - started < 45  # a local Ray's start and stop, nothing more
     assert printed.startswith("error: a local Ray (1 node(s), 1 CPU(s)") and printed.count("\n") == 1, printed
@@ -349,15 +468,29 @@ cells:
 """
 
 
-def test_a_cell_with_its_own_federation_attacks_its_captured_round(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_cell_with_its_own_federation_attacks_its_captured_round(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A real Flower simulation under the cell's defense: 2 training rounds, then round 3, audited: it is
     captured and attacked, and the report's accuracy is the federation's after its 2 training rounds
     (no separate accuracy federation)."""
     config = tmp_path / "defended.yaml"
     config.write_text(DEFENDED)
     out = tmp_path / "out"
-    args = ["experiment", str(config), "--victims", "2", "--iterations", "3", "--fl-rounds", "2", "--no-lpips",
-            "--quiet", "--out", str(out)]
+    args = [
+        "experiment",
+        str(config),
+        "--victims",
+        "2",
+        "--iterations",
+        "3",
+        "--fl-rounds",
+        "2",
+        "--no-lpips",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0, capsys.readouterr().out
     fed = out / "federations" / "defended-a"
     results = json.loads((fed / "results.json").read_text())
@@ -373,11 +506,17 @@ def test_a_cell_with_its_own_federation_attacks_its_captured_round(tmp_path: Pat
     assert f"{acc:.2f} / " in report and "(2 rounds)" in report and "| prune | keep 0.5 | – |" in report
 
 
-@pytest.mark.parametrize(("federation", "words"), [("{model: lenet}", "federation must not set model"),
-                                                   ("{defense: local-dp, dp_delta: 2}", "dp-delta must be in (0, 1)")])
+@pytest.mark.parametrize(
+    ("federation", "words"),
+    [
+        ("{model: lenet}", "federation must not set model"),
+        ("{defense: local-dp, dp_delta: 2}", "dp-delta must be in (0, 1)"),
+    ],
+)
 def test_bad_cell_federation_is_a_user_error(tmp_path: Path, federation: str, words: str) -> None:
     config = tmp_path / "bad.yaml"
-    config.write_text(DEFENDED.replace("{defense: prune, prune_fraction: 0.5, local_steps: 1, onestep_lr: 0.01}",
-                                       federation))
+    config.write_text(
+        DEFENDED.replace("{defense: prune, prune_fraction: 0.5, local_steps: 1, onestep_lr: 0.01}", federation)
+    )
     with pytest.raises(ex.ExperimentError, match=words.replace("(", r"\(").replace(")", r"\)")):
         ex.load_experiment(config)

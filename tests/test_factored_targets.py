@@ -21,8 +21,12 @@ def test_factors_are_exact_and_cut_at_the_rank():
     assert err.max() < FACTOR_RTOL
     assert recon[3].abs().max() == 0  # a zero target stays zero
     assert left.dtype == target.dtype and left.device == target.device
-    target64 = torch.stack([torch.randn(40, r, generator=g, dtype=torch.float64)
-                            @ torch.randn(r, 30, generator=g, dtype=torch.float64) for r in ranks])
+    target64 = torch.stack(
+        [
+            torch.randn(40, r, generator=g, dtype=torch.float64) @ torch.randn(r, 30, generator=g, dtype=torch.float64)
+            for r in ranks
+        ]
+    )
     left64, right64 = factor_targets(target64, max_rank=10)  # float64 in, float64 out, rank cut as well
     assert left64.dtype == torch.float64 and left64.shape == (4, 40, 7)
     assert (left64 @ right64.transpose(1, 2) - target64).abs().max() < 1e-10 * target64.abs().max()
@@ -55,8 +59,10 @@ def _one_step_targets(model, images, labels, masks, V):
     return [torch.stack(t) for t in zip(*per_job)]
 
 
-@pytest.mark.parametrize("name,dataset,B", [("mlp", "mnist", 1), ("mlp", "mnist", 2), ("vit", "mnist", 1),
-                                            ("lenet", "mnist", 1), ("resnet18", "cifar10", 1)])
+@pytest.mark.parametrize(
+    "name,dataset,B",
+    [("mlp", "mnist", 1), ("mlp", "mnist", 2), ("vit", "mnist", 1), ("lenet", "mnist", 1), ("resnet18", "cifar10", 1)],
+)
 def test_factored_path_equals_dense_path(name, dataset, B):
     torch.manual_seed(0)
     model = build_model(name, dataset, 0.25, seed=0, **({"depth": 1} if name == "vit" else {}))
@@ -66,8 +72,9 @@ def test_factored_path_equals_dense_path(name, dataset, B):
     set_dropout_mode(model, "learn")
     shapes = mask_shapes(model, torch.zeros(V * B, *model.spec.input_shape))
     client_masks = [torch.bernoulli(torch.full(s, 0.75)) for s in shapes]
-    targets = _one_step_targets(model, torch.randn(V * B, *model.spec.input_shape),
-                                torch.randint(0, 10, (V * B,)), client_masks, V)
+    targets = _one_step_targets(
+        model, torch.randn(V * B, *model.spec.input_shape), torch.randint(0, 10, (V * B,)), client_masks, V
+    )
     x0 = torch.randn(V * B, *model.spec.input_shape)
     y = torch.randint(0, 10, (V * B,))
     masks0 = [torch.rand(s) for s in shapes]

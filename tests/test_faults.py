@@ -22,8 +22,19 @@ def _simulate(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.Compl
 
 def test_a_client_that_raises_mid_round(tmp_path):
     run_dir = tmp_path / "fed"
-    proc = _simulate(run_dir, "--clients", "3", "--rounds", "3", "--local-steps", "2", "--capture-rounds", "all",
-                     "--set", "inject-client-failure=2:1")
+    proc = _simulate(
+        run_dir,
+        "--clients",
+        "3",
+        "--rounds",
+        "3",
+        "--local-steps",
+        "2",
+        "--capture-rounds",
+        "all",
+        "--set",
+        "inject-client-failure=2:1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((run_dir / "results.json").read_text())
     assert results["rounds_run"] == 3, "training goes on after the failure"

@@ -37,15 +37,32 @@ def task_identity() -> None:
 
 def _captured_round(tmp_path: Path, **overrides: Any) -> Path:
     """One update-capture round of two in-process clients, audited, written as a run folder."""
-    cfg = offline_config({"audit": True, "model-options": '{"width": 64}', "capture-kind": "update",
-                          "capture-images": 4, "batch-size": 1, "batch-order": "in-order", **overrides})
-    strategy = CuriousFedAvg(task.model_spec(cfg), capture_rounds="all", capture_kind="update",
-                             capture_dir=tmp_path / "captures", oracle_dir=tmp_path / "oracle",
-                             min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0)
+    cfg = offline_config(
+        {
+            "audit": True,
+            "model-options": '{"width": 64}',
+            "capture-kind": "update",
+            "capture-images": 4,
+            "batch-size": 1,
+            "batch-order": "in-order",
+            **overrides,
+        }
+    )
+    strategy = CuriousFedAvg(
+        task.model_spec(cfg),
+        capture_rounds="all",
+        capture_kind="update",
+        capture_dir=tmp_path / "captures",
+        oracle_dir=tmp_path / "oracle",
+        min_available_nodes=2,
+        min_train_nodes=2,
+        fraction_evaluate=0.0,
+    )
     arrays = ArrayRecord(task.make_model(cfg).state_dict())
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(dict(cfg)), FakeGrid()))
-    replies = [handle_train(m, _context(NODE_IDS.index(m.metadata.dst_node_id), m.metadata.dst_node_id))
-               for m in messages]
+    replies = [
+        handle_train(m, _context(NODE_IDS.index(m.metadata.dst_node_id), m.metadata.dst_node_id)) for m in messages
+    ]
     strategy.aggregate_train(1, replies)
     assert not strategy.failures
     return tmp_path
@@ -64,9 +81,10 @@ def test_replay_with_the_oracle_reproduces_the_captured_update(tmp_path: Path, o
         model = model_from_job(job)
         for p in model.parameters():
             p.requires_grad_(False)
-        masks = [[m.float() for m in oracle.masks[t * 3:(t + 1) * 3]] for t in range(4)]
-        terms = replay_terms(model, dict(model.named_parameters()), job.plan, [oracle.images], [job.labels], [masks],
-                             [job.gradient])
+        masks = [[m.float() for m in oracle.masks[t * 3 : (t + 1) * 3]] for t in range(4)]
+        terms = replay_terms(
+            model, dict(model.named_parameters()), job.plan, [oracle.images], [job.labels], [masks], [job.gradient]
+        )
         # the replay's Δ equals the captured one: <Δ, Δ*> = ||Δ||² = ||Δ*||² to float precision
         total = terms.target_norm2.sum()
         assert total > 0
@@ -105,8 +123,24 @@ def test_k1_plain_sgd_update_is_the_one_step_attack(mnist_like: tuple[torch.Tens
 def test_update_attack_runs_end_to_end_from_captures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
     out = tmp_path / "attack"
-    code = attacker_main(["run", "--captures", str(run), "--attacks", "ig_eval", "wiig", "dia", "dia_onestep",
-                          "--iterations", "6", "--no-lpips", "--quiet", "--out", str(out)])
+    code = attacker_main(
+        [
+            "run",
+            "--captures",
+            str(run),
+            "--attacks",
+            "ig_eval",
+            "wiig",
+            "dia",
+            "dia_onestep",
+            "--iterations",
+            "6",
+            "--no-lpips",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0, text
     assert "client updates of 4 local steps" in text and "victim-it/s" in text
@@ -126,19 +160,29 @@ def _edit_capture(run: Path, change) -> None:
         (record / "record.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("change,words", [
-    (lambda m: m["hyperparameters"].update(optimizer="rmsprop"), "optimizer must be one of"),
-    (lambda m: m["hyperparameters"].pop("lr"), "lack lr"),
-    (lambda m: m.update(local_steps=7), "the client reported 7"),
-    (lambda m: (m["hyperparameters"].update({"batch-order": "shuffled", "local-epochs": 2}), m.update(local_steps=8)),
-     "shuffled across 2 epochs"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (lambda m: m["hyperparameters"].update(optimizer="rmsprop"), "optimizer must be one of"),
+        (lambda m: m["hyperparameters"].pop("lr"), "lack lr"),
+        (lambda m: m.update(local_steps=7), "the client reported 7"),
+        (
+            lambda m: (
+                m["hyperparameters"].update({"batch-order": "shuffled", "local-epochs": 2}),
+                m.update(local_steps=8),
+            ),
+            "shuffled across 2 epochs",
+        ),
+    ],
+)
 def test_bad_update_captures_give_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], change, words) -> None:
     run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
     _edit_capture(run, change)
     out = tmp_path / "attack"
-    assert attacker_main(["run", "--captures", str(run), "--iterations", "2", "--no-lpips", "--quiet",
-                          "--out", str(out)]) == 2
+    assert (
+        attacker_main(["run", "--captures", str(run), "--iterations", "2", "--no-lpips", "--quiet", "--out", str(out)])
+        == 2
+    )
     text = capsys.readouterr().out.strip()
     assert words in text and "Traceback" not in text and text.startswith("error:")
     assert not out.exists()
@@ -146,9 +190,11 @@ def test_bad_update_captures_give_one_line(tmp_path: Path, capsys: pytest.Captur
 
 def test_a_round_too_large_to_unroll_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "big.yaml"
-    cfg.write_text("victims: {source: builtin, victim_batch_size: 8, count: 8, data_root: data,\n"
-                   "  local_round: {local_epochs: 50, batch_size: 1, optimizer: sgd, lr: 0.01}}\n"
-                   "max_unroll_gb: 0.01\nlpips: false\n")
+    cfg.write_text(
+        "victims: {source: builtin, victim_batch_size: 8, count: 8, data_root: data,\n"
+        "  local_round: {local_epochs: 50, batch_size: 1, optimizer: sgd, lr: 0.01}}\n"
+        "max_unroll_gb: 0.01\nlpips: false\n"
+    )
     out = tmp_path / "attack"
     code = attacker_main(["run", str(cfg), "--iterations", "2", "--quiet", "--out", str(out)])
     text = capsys.readouterr().out
@@ -173,8 +219,14 @@ def test_live_watch_attacks_update_captures(tmp_path: Path) -> None:
 
     run = _captured_round(tmp_path / "fed", lr=0.05, optimizer="sgd")
     (run / "results.json").write_text("{}")  # the federation has finished: the watch ends after one pass
-    cfg = parse_config({"victims": {"source": "captures", "captures": str(run)}, "attacks": ["wiig", "dia"],
-                        "attack_overrides": {"max_iterations": 3}, "lpips": False})
+    cfg = parse_config(
+        {
+            "victims": {"source": "captures", "captures": str(run)},
+            "attacks": ["wiig", "dia"],
+            "attack_overrides": {"max_iterations": 3},
+            "lpips": False,
+        }
+    )
     summaries = watch(run, tmp_path / "live", cfg, poll_s=0.01, log=lambda m: None)
     assert len(summaries) == 1 and len(summaries[0]["rows"]) == 4
     assert {r["batch_size"] for r in summaries[0]["rows"]} == {4}
@@ -184,8 +236,9 @@ def test_live_watch_attacks_update_captures(tmp_path: Path) -> None:
 
 
 def _shuffled_two_epoch_round(tmp_path: Path) -> Path:
-    return _captured_round(tmp_path, lr=0.05, optimizer="sgd", **{"batch-order": "shuffled", "local-epochs": 2,
-                                                                   "batch-size": 2})
+    return _captured_round(
+        tmp_path, lr=0.05, optimizer="sgd", **{"batch-order": "shuffled", "local-epochs": 2, "batch-size": 2}
+    )
 
 
 def test_unknown_order_replay_with_the_oracle_reproduces_a_shuffled_update(tmp_path: Path) -> None:
@@ -205,29 +258,61 @@ def test_unknown_order_replay_with_the_oracle_reproduces_a_shuffled_update(tmp_p
         model = model_from_job(copies)
         for p in model.parameters():
             p.requires_grad_(False)
-        masks = [[m.float() for m in record.masks[t * 3:(t + 1) * 3]] for t in range(4)]
+        masks = [[m.float() for m in record.masks[t * 3 : (t + 1) * 3]] for t in range(4)]
         # copy e holds epoch e's images in the order epoch e used them: the replay is the client's round
         images = record.images.float()[torch.tensor(used)]
-        terms = replay_terms(model, dict(model.named_parameters()), copies.plan, [images], [copies.labels], [masks],
-                             [copies.gradient])
+        terms = replay_terms(
+            model, dict(model.named_parameters()), copies.plan, [images], [copies.labels], [masks], [copies.gradient]
+        )
         total = terms.target_norm2.sum()
         assert total > 0
         torch.testing.assert_close(terms.norm2.sum(), total, rtol=1e-5, atol=0)
         torch.testing.assert_close(terms.dot.sum(), total, rtol=1e-5, atol=0)
 
 
-def test_shuffled_epochs_need_the_unknown_order_and_its_step_labels(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_shuffled_epochs_need_the_unknown_order_and_its_step_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from fedsim.capture import CaptureError
 
     run = _shuffled_two_epoch_round(tmp_path / "fed")
-    assert attacker_main(["run", "--captures", str(run), "--iterations", "2", "--no-lpips", "--quiet",
-                          "--out", str(tmp_path / "known")]) == 2
+    assert (
+        attacker_main(
+            [
+                "run",
+                "--captures",
+                str(run),
+                "--iterations",
+                "2",
+                "--no-lpips",
+                "--quiet",
+                "--out",
+                str(tmp_path / "known"),
+            ]
+        )
+        == 2
+    )
     text = capsys.readouterr().out.strip()
     assert "shuffled across 2 epochs" in text and "replay_order: unknown" in text and text.startswith("error:")
     out = tmp_path / "unknown"
-    code = attacker_main(["run", "--captures", str(run), "--attacks", "wiig", "dia", "--replay-order", "unknown",
-                          "--iterations", "3", "--no-lpips", "--quiet", "--out", str(out)])
+    code = attacker_main(
+        [
+            "run",
+            "--captures",
+            str(run),
+            "--attacks",
+            "wiig",
+            "dia",
+            "--replay-order",
+            "unknown",
+            "--iterations",
+            "3",
+            "--no-lpips",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0, text
     rows = (out / "metrics.csv").read_text().splitlines()
@@ -252,7 +337,8 @@ def test_shuffled_epochs_need_the_unknown_order_and_its_step_labels(tmp_path: Pa
 
 
 def test_unknown_order_attack_on_offline_victims_runs_and_is_scored(
-        mnist_like: tuple[torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+    mnist_like: tuple[torch.Tensor, torch.Tensor], tmp_path: Path
+) -> None:
     from attacker.jobs import unknown_order
     from attacker.scoring import score_results
 
@@ -295,8 +381,9 @@ def test_a_shuffled_single_epoch_is_replayed_in_step_order(tmp_path: Path) -> No
         model = model_from_job(job)
         for p in model.parameters():
             p.requires_grad_(False)
-        masks = [[m.float() for m in oracle.masks[t * 3:(t + 1) * 3]] for t in range(4)]
+        masks = [[m.float() for m in oracle.masks[t * 3 : (t + 1) * 3]] for t in range(4)]
         assert torch.equal(oracle.images, record.images[order].float())  # the truth in the replay's order
-        terms = replay_terms(model, dict(model.named_parameters()), job.plan, [oracle.images], [job.labels],
-                             [masks], [job.gradient])
+        terms = replay_terms(
+            model, dict(model.named_parameters()), job.plan, [oracle.images], [job.labels], [masks], [job.gradient]
+        )
         torch.testing.assert_close(terms.dot.sum(), terms.target_norm2.sum(), rtol=1e-5, atol=0)

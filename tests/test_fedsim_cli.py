@@ -64,9 +64,24 @@ def test_defaults_come_from_the_schema_and_deploy_local_overrides_two() -> None:
     assert run_config_from_args(parser.parse_args(["simulate"])) == DEFAULTS
     deploy = run_config_from_args(parser.parse_args(["deploy-local"]))
     assert {k: v for k, v in deploy.items() if v != DEFAULTS[k]} == {"num-clients": 2, "num-server-rounds": 2}
-    args = parser.parse_args(["simulate", "--rounds", "4", "--num-clients", "3", "--no-download", "--labels",
-                              "recovered", "--model-options", '{"width": 32}', "--set", "lr=0.01", "--set",
-                              "num_server_rounds=5"])
+    args = parser.parse_args(
+        [
+            "simulate",
+            "--rounds",
+            "4",
+            "--num-clients",
+            "3",
+            "--no-download",
+            "--labels",
+            "recovered",
+            "--model-options",
+            '{"width": 32}',
+            "--set",
+            "lr=0.01",
+            "--set",
+            "num_server_rounds=5",
+        ]
+    )
     cfg = run_config_from_args(args)
     assert (cfg["num-clients"], cfg["download"], cfg["labels"], cfg["lr"]) == (3, False, "recovered", 0.01)
     assert cfg["num-server-rounds"] == 5 and cfg["model-options"] == '{"width": 32}'  # --set comes last
@@ -108,12 +123,15 @@ def test_simulate_never_writes_into_a_used_run_folder(used: Path, capsys: pytest
         (["--defense", "local-dp", "--dp-delta", "1"], ["dp-delta must be in (0, 1)"]),
         (["--defense", "prune", "--prune-fraction", "0"], ["prune-fraction must be in (0, 1]"]),
         (["--defense", "prune", "--prune-fraction", "1.5"], ["prune-fraction must be in (0, 1]"]),
-        (["--defense", "central-dp-client-clipping", "--inject-client-failure", "1:0"],
-         ["central-dp-client-clipping cannot run with inject-client-failure"]),
+        (
+            ["--defense", "central-dp-client-clipping", "--inject-client-failure", "1:0"],
+            ["central-dp-client-clipping cannot run with inject-client-failure"],
+        ),
     ],
 )
-def test_simulate_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
-                             words: list[str]) -> None:
+def test_simulate_bad_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: list[str]
+) -> None:
     run_dir = tmp_path / "run"
     assert main(["simulate", "--no-download", "--run-dir", str(run_dir), *args]) == 2
     _one_error_line(capsys, *words)
@@ -127,13 +145,33 @@ def test_simulate_missing_or_corrupt_data_root(tmp_path: Path, capsys: pytest.Ca
     _one_error_line(capsys, "is a file, not a folder")
     corrupt = tmp_path / "corrupt"
     (corrupt / "MNIST" / "raw").mkdir(parents=True)
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         (corrupt / "MNIST" / "raw" / name).write_bytes(b"\x00garbage" * 10)
     before = _snapshot(tmp_path)
     assert main(["simulate", "--no-download", "--data-root", str(corrupt), "--run-dir", str(tmp_path / "b")]) == 2
     _one_error_line(capsys, "not valid mnist files")
-    assert main(["simulate", "--no-download", "--dataset", "imagenet", "--model", "vit_b16", "--data-root",
-                 str(tmp_path / "nothing"), "--run-dir", str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "simulate",
+                "--no-download",
+                "--dataset",
+                "imagenet",
+                "--model",
+                "vit_b16",
+                "--data-root",
+                str(tmp_path / "nothing"),
+                "--run-dir",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     _one_error_line(capsys, "ImageNet not found")
     assert _snapshot(tmp_path) == before
 
@@ -144,9 +182,12 @@ def test_sweep_never_writes_into_a_used_folder(used: Path, tmp_path: Path, capsy
     _one_error_line(capsys, str(used), "not empty")
     assert _snapshot(used) == before
     out = tmp_path / "sweep"
-    for args, words in ((["--p", "0", "1.5"], ["p must be in [0, 1)"]), (["--p", "0.5", "0.50"], ["--p repeats"]),
-                        (["--rounds", "0"], ["num-server-rounds must be >= 1"]),
-                        (["--partitioning", "random"], ["partitioning must be one of iid, dirichlet"])):
+    for args, words in (
+        (["--p", "0", "1.5"], ["p must be in [0, 1)"]),
+        (["--p", "0.5", "0.50"], ["--p repeats"]),
+        (["--rounds", "0"], ["num-server-rounds must be >= 1"]),
+        (["--partitioning", "random"], ["partitioning must be one of iid, dirichlet"]),
+    ):
         assert main(["sweep", "--no-download", "--out", str(out), *args]) == 2
         _one_error_line(capsys, *words)
     assert not out.exists() and _snapshot(used) == before
@@ -158,10 +199,12 @@ def test_deploy_local_errors_before_any_process(used: Path, tmp_path: Path, caps
     _one_error_line(capsys, "not empty")
     assert _snapshot(used) == before
     run_dir = tmp_path / "run"
-    for args, words in ((["--node-auth"], ["--node-auth needs --tls-dir"]),
-                        (["--tls-dir", str(tmp_path / "no-certs")], ["missing TLS files"]),
-                        (["--timeout", "0"], ["--timeout must be positive"]),
-                        (["--victim-batch-size", "0"], ["victim-batch-size must be >= 1"])):
+    for args, words in (
+        (["--node-auth"], ["--node-auth needs --tls-dir"]),
+        (["--tls-dir", str(tmp_path / "no-certs")], ["missing TLS files"]),
+        (["--timeout", "0"], ["--timeout must be positive"]),
+        (["--victim-batch-size", "0"], ["victim-batch-size must be >= 1"]),
+    ):
         assert main(["deploy-local", "--no-download", "--run-dir", str(run_dir), *args]) == 2
         _one_error_line(capsys, *words)
     assert not run_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["used"]
@@ -169,8 +212,11 @@ def test_deploy_local_errors_before_any_process(used: Path, tmp_path: Path, caps
 
 def test_captures_of_a_folder_without_captures(used: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = _snapshot(used)
-    for target, words in ((used, ["holds no captures"]), (used / "results.json", ["is a file"]),
-                          (tmp_path / "missing", ["does not exist"])):
+    for target, words in (
+        (used, ["holds no captures"]),
+        (used / "results.json", ["is a file"]),
+        (tmp_path / "missing", ["does not exist"]),
+    ):
         assert main(["captures", str(target)]) == 2
         _one_error_line(capsys, *words)
     assert _snapshot(used) == before
@@ -179,7 +225,12 @@ def test_captures_of_a_folder_without_captures(used: Path, tmp_path: Path, capsy
 def test_console_script_keeps_the_contract(used: Path) -> None:
     """The same through a real process: exit 2, one line on the terminal, no traceback."""
     env = dict(os.environ, **FLWR_ENV)
-    proc = subprocess.run([sys.executable, "-m", "fedsim.cli", "sweep", "--no-download", "--out", str(used)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedsim.cli", "sweep", "--no-download", "--out", str(used)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stdout + proc.stderr

@@ -29,8 +29,9 @@ def test_more_noise_spends_less_and_more_rounds_spend_more() -> None:
     central = [_eps("central-dp-server-clipping", 3, noise_multiplier=z) for z in (0.5, 1.0, 2.0)]
     assert all(e is not None and e > 0 for e in central)
     assert central[0] > central[1] > central[2]
-    assert _eps("central-dp-client-clipping", 1, noise_multiplier=1.0) < _eps("central-dp-client-clipping", 5,
-                                                                              noise_multiplier=1.0)
+    assert _eps("central-dp-client-clipping", 1, noise_multiplier=1.0) < _eps(
+        "central-dp-client-clipping", 5, noise_multiplier=1.0
+    )
     local = [_eps("local-dp", 3, dp_epsilon=e) for e in (1.0, 10.0)]
     assert local[0] < local[1]  # a smaller per-round epsilon: more noise, less spent in all
     assert _eps("none", 3) is None and _eps("prune", 3) is None  # no noise, no guarantee
@@ -52,7 +53,9 @@ def test_prior_is_the_mean_of_the_other_victims_and_rdlv_measures_the_gain() -> 
     assert torch.allclose(prior[_key(images[0])], (images[1] + images[2]) / 2)  # leave-one-out mean
     assert torch.allclose(prior[_key(images[2])], (images[0] + images[1]) / 2)
     key0 = _key(images[0])
-    base = score_batch(images[0], prior[key0].expand_as(images[0]), spec.mean, spec.std, match=False)["metrics"]["ssim_paper"]["mean"]
+    base = score_batch(images[0], prior[key0].expand_as(images[0]), spec.mean, spec.std, match=False)["metrics"][
+        "ssim_paper"
+    ]["mean"]
     assert prior_score(images[0], prior[key0], spec.mean, spec.std) == pytest.approx(base)
     assert rdlv(1.0, base) == pytest.approx((1.0 - base) / base)
     assert rdlv(base, base) == pytest.approx(0.0, abs=1e-9)
@@ -61,8 +64,16 @@ def test_prior_is_the_mean_of_the_other_victims_and_rdlv_measures_the_gain() -> 
 
 
 def _cell(defense: dict) -> Cell:
-    return Cell(experiment="defenses", id="c", model="mlp", dataset="mnist", p=0.25, victim_batch_size=1,
-                attacks=["dia"], federation=defense)
+    return Cell(
+        experiment="defenses",
+        id="c",
+        model="mlp",
+        dataset="mnist",
+        p=0.25,
+        victim_batch_size=1,
+        attacks=["dia"],
+        federation=defense,
+    )
 
 
 def test_defense_columns_read_the_federations_config(tmp_path: Path) -> None:
@@ -83,12 +94,32 @@ def test_defense_columns_read_the_federations_config(tmp_path: Path) -> None:
 def test_frontier_figure_draws_one_curve_per_family(tmp_path: Path) -> None:
     rows = []
     for p in (0.0, 0.25):
-        rows.append({"defense": "none", "defense_level": None, "attack": "dia", "model": "mlp", "dataset": "mnist",
-                     "p": p, "ssim_paper_mean": 0.99 - p, "accuracy_final": 90.0 - 10 * p})
+        rows.append(
+            {
+                "defense": "none",
+                "defense_level": None,
+                "attack": "dia",
+                "model": "mlp",
+                "dataset": "mnist",
+                "p": p,
+                "ssim_paper_mean": 0.99 - p,
+                "accuracy_final": 90.0 - 10 * p,
+            }
+        )
         for family, levels in (("local-dp", (10.0, 100.0)), ("prune", (0.5, 0.1))):
             for level in levels:
-                rows.append({"defense": family, "defense_level": level, "attack": "dia", "model": "mlp",
-                             "dataset": "mnist", "p": p, "ssim_paper_mean": 0.5, "accuracy_final": 50.0})
+                rows.append(
+                    {
+                        "defense": family,
+                        "defense_level": level,
+                        "attack": "dia",
+                        "model": "mlp",
+                        "dataset": "mnist",
+                        "p": p,
+                        "ssim_paper_mean": 0.5,
+                        "accuracy_final": 50.0,
+                    }
+                )
     path = tmp_path / "f.png"
     assert frontier_figure(rows, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

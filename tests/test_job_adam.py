@@ -51,8 +51,12 @@ def test_plateau_step_lowers_the_rate_when_torchs_scheduler_does() -> None:
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.1, patience=3)
     g = torch.Generator().manual_seed(1)
     # falling, then flat (with tiny relative gains under the 1e-4 threshold), then falling, then flat
-    losses = [1.0, 0.9, 0.8] + [0.8 * (1 - 5e-5)] * 6 + [0.5, 0.4] + [0.4 + 0.01 * float(torch.rand(1, generator=g))
-                                                                       for _ in range(12)]
+    losses = (
+        [1.0, 0.9, 0.8]
+        + [0.8 * (1 - 5e-5)] * 6
+        + [0.5, 0.4]
+        + [0.4 + 0.01 * float(torch.rand(1, generator=g)) for _ in range(12)]
+    )
     lr, best, bad = 0.1, float("inf"), 0
     for loss in losses:
         scheduler.step(loss)

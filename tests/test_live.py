@@ -15,12 +15,35 @@ def test_round_one_is_attacked_before_training_ends(tmp_path):
     run_dir = tmp_path / "fed"
     env = dict(os.environ, **FLWR_ENV, PYTHONWARNINGS="ignore")
     fed = subprocess.Popen(
-        [sys.executable, "-m", "fedsim.cli", "simulate", "--p", "0.25", "--rounds", "8", "--clients", "3",
-         "--local-steps", "2", "--capture-rounds", "1", "--audit", "--no-download", "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "fedsim.cli",
+            "simulate",
+            "--p",
+            "0.25",
+            "--rounds",
+            "8",
+            "--clients",
+            "3",
+            "--local-steps",
+            "2",
+            "--capture-rounds",
+            "1",
+            "--audit",
+            "--no-download",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     try:
-        cfg = parse_config({"attacks": ["dia", "wiig"], "attack_overrides": {"max_iterations": 20}, "lpips": False, "device": "cpu"})
+        cfg = parse_config(
+            {"attacks": ["dia", "wiig"], "attack_overrides": {"max_iterations": 20}, "lpips": False, "device": "cpu"}
+        )
         summaries = watch(run_dir, tmp_path / "attacks", cfg, poll_s=0.2, timeout_s=240, log=lambda m: None)
         out, _ = fed.communicate(timeout=240)
     finally:

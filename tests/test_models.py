@@ -40,7 +40,9 @@ def test_parameters_check(name, dataset, options, batch, pixels, total):
     assert x.numel() + masks == total
 
 
-@pytest.mark.parametrize("name,dataset", [("mlp", "mnist"), ("vit", "cifar10"), ("lenet", "mnist"), ("resnet18", "cifar10")])
+@pytest.mark.parametrize(
+    "name,dataset", [("mlp", "mnist"), ("vit", "cifar10"), ("lenet", "mnist"), ("resnet18", "cifar10")]
+)
 def test_seeded_initialization_is_reproducible(name, dataset):
     a = build_model(name, dataset, 0.5, seed=3)
     b = build_model(name, dataset, 0.5, seed=3)
@@ -59,7 +61,8 @@ def test_build_does_not_touch_global_rng():
 
 
 @pytest.mark.parametrize(
-    "name,dataset,classes", [("mlp", "mnist", 10), ("vit", "mnist", 10), ("lenet", "cifar10", 10), ("resnet18", "mnist", 10)]
+    "name,dataset,classes",
+    [("mlp", "mnist", 10), ("vit", "mnist", 10), ("lenet", "cifar10", 10), ("resnet18", "mnist", 10)],
 )
 def test_forward_shapes(name, dataset, classes):
     model = build_model(name, dataset, 0.25)
@@ -116,14 +119,38 @@ def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, c
     from fedsim.models import MODELS, MaskedDropout, ModelFamily
 
     def construct(spec, channels, size, classes, options):
-        return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 16), nn.ReLU(), MaskedDropout(spec.p),
-                             nn.Linear(16, classes))
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(channels * size * size, 16),
+            nn.ReLU(),
+            MaskedDropout(spec.p),
+            nn.Linear(16, classes),
+        )
 
     monkeypatch.setitem(MODELS, "toy", ModelFamily("toy", construct, tv_weight=0.5, group_caps={"cpu": 1, "gpu": 1}))
     assert term_weight(make_attack("dia"), "tv_weight", "toy") == 0.5
     out = tmp_path / "run"
-    code = attacker_main(["run", "--model", "toy", "--dataset", "mnist", "--victims", "2", "--attacks", "dia",
-                          "--iterations", "1", "--no-lpips", "--quiet", "--device", "cpu", "--out", str(out)])
+    code = attacker_main(
+        [
+            "run",
+            "--model",
+            "toy",
+            "--dataset",
+            "mnist",
+            "--victims",
+            "2",
+            "--attacks",
+            "dia",
+            "--iterations",
+            "1",
+            "--no-lpips",
+            "--quiet",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     rows = json.loads((out / "metrics.json").read_text())
     assert [r["model"] for r in rows] == ["toy", "toy"]

@@ -37,7 +37,9 @@ def test_walkthrough_notebook_executes(tmp_path: Path) -> None:
     assert "captured: True" in text  # round 2 was a capture round
     ssim = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if "SSIM (paper space)" in line}
     assert set(ssim) == {"ig_eval", "wiig", "dia"}
-    assert ssim["wiig"] > ssim["ig_eval"] and ssim["dia"] > ssim["ig_eval"]  # the notebook's point, even at 300 iterations
+    assert (
+        ssim["wiig"] > ssim["ig_eval"] and ssim["dia"] > ssim["ig_eval"]
+    )  # the notebook's point, even at 300 iterations
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # the reconstruction grid and the loss curves
 
@@ -56,7 +58,11 @@ def test_privacy_utility_notebook_executes_on_a_tiny_frontier(tmp_path: Path) ->
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "4 cells run" in text and "frontier figure: True" in text
-    rows = {(line.split()[0], line.split()[1]): line for line in text.splitlines() if " accuracy " in line and " epsilon " in line}
+    rows = {
+        (line.split()[0], line.split()[1]): line
+        for line in text.splitlines()
+        if " accuracy " in line and " epsilon " in line
+    }
     assert {d for d, _ in rows} == {"none", "local-dp", "central-dp-server-clipping", "prune"}
     epsilon = {d: line.split("epsilon")[-1].strip() for (d, _), line in rows.items()}
     assert epsilon["none"] == "–" and epsilon["prune"] == "–"  # no noise, no guarantee

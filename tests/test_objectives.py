@@ -45,8 +45,9 @@ def test_a_new_term_is_one_function_and_one_key(mnist_like, monkeypatch):
         return inputs.images.reshape(inputs.num_jobs, -1).mean(1)
 
     # a new key on the config (a subclass stands in for adding the field) and one registered function
-    NewConfig = dataclasses.make_dataclass("NewConfig", [("lambda_bright", float, 0.0)], bases=(AttackConfig,),
-                                           frozen=True)
+    NewConfig = dataclasses.make_dataclass(
+        "NewConfig", [("lambda_bright", float, 0.0)], bases=(AttackConfig,), frozen=True
+    )
     monkeypatch.setitem(objectives.TERMS, "lambda_bright", objectives.Term("lambda_bright", brightness))
     plain = NewConfig("dia", masks="learn")
     bright = NewConfig("dia", masks="learn", lambda_bright=2.0)

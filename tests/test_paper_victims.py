@@ -54,7 +54,9 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/files/"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
-    def serve(self, name: str, body: bytes, *, status: int = 200, length: int | None = None, delay: float = 0.0) -> None:
+    def serve(
+        self, name: str, body: bytes, *, status: int = 200, length: int | None = None, delay: float = 0.0
+    ) -> None:
         self.routes[f"/files/{name}"] = (status, body, length, delay)
 
 
@@ -96,16 +98,18 @@ def test_fetched_once_verified_and_loaded(server: _Server, small_set: bytes, tmp
     assert _left_in(tmp_path) == ["MNIST_128.tdump", "dia-victims"]
 
 
-def test_the_mirror_variable_points_the_fetch(server: _Server, small_set: bytes, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_mirror_variable_points_the_fetch(
+    server: _Server, small_set: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server.serve("MNIST_128.tdump", small_set)
     monkeypatch.setenv(pv.URL_ENV, server.url)
     assert pv.paper_victims("mnist", tmp_path, allow_download=True).read_bytes() == small_set
 
 
 @pytest.mark.parametrize("case", ["wrong-bytes", "partial", "http-404", "stalled"])
-def test_a_failed_fetch_is_one_line_and_leaves_nothing(case: str, server: _Server, small_set: bytes,
-                                                       tmp_path: Path) -> None:
+def test_a_failed_fetch_is_one_line_and_leaves_nothing(
+    case: str, server: _Server, small_set: bytes, tmp_path: Path
+) -> None:
     name = "MNIST_128.tdump"
     if case == "wrong-bytes":
         server.serve(name, small_set[:-1] + b"x")
@@ -118,8 +122,12 @@ def test_a_failed_fetch_is_one_line_and_leaves_nothing(case: str, server: _Serve
         pv.paper_victims("mnist", tmp_path, allow_download=True, base_url=server.url, timeout_s=0.5)
     message = str(info.value)
     assert "\n" not in message and time.monotonic() - start < 2.5
-    expected = {"wrong-bytes": [pv.PAPER_VICTIMS["mnist"].sha256], "partial": ["partial download"],
-                "http-404": ["404"], "stalled": ["within 0.5 s", "timed out"]}[case]  # the deadline or the socket's
+    expected = {
+        "wrong-bytes": [pv.PAPER_VICTIMS["mnist"].sha256],
+        "partial": ["partial download"],
+        "http-404": ["404"],
+        "stalled": ["within 0.5 s", "timed out"],
+    }[case]  # the deadline or the socket's
     assert any(e in message for e in expected), message
     assert server.url + name in message  # the URL that failed
     if case == "wrong-bytes":
@@ -129,8 +137,9 @@ def test_a_failed_fetch_is_one_line_and_leaves_nothing(case: str, server: _Serve
     assert _left_in(tmp_path / "dia-victims") == []
 
 
-def test_downloads_off_asks_nothing_and_says_how(server: _Server, small_set: bytes, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_downloads_off_asks_nothing_and_says_how(
+    server: _Server, small_set: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server.serve("MNIST_128.tdump", small_set)
     monkeypatch.setenv(pv.OFFLINE_ENV, "1")
     with pytest.raises(VictimFileError, match=r"not there and downloads are off .*make victims.*sha256") as info:
@@ -150,8 +159,9 @@ def test_a_file_there_that_is_not_the_papers_is_refused(small_set: bytes, tmp_pa
     assert hashlib.sha256(b"something else").hexdigest() in message and "delete it" in message
 
 
-def test_fedsim_victims_the_make_target(server: _Server, small_set: bytes, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture) -> None:
+def test_fedsim_victims_the_make_target(
+    server: _Server, small_set: bytes, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     server.serve("MNIST_128.tdump", small_set)  # no CIFAR-10 file on this server: a 404
     assert fedsim_main(["victims", "--data-root", str(tmp_path), "--url", server.url]) == 2
     lines = capsys.readouterr().out.splitlines()
@@ -163,14 +173,30 @@ def test_fedsim_victims_the_make_target(server: _Server, small_set: bytes, tmp_p
     assert "no victim set for dataset 'imagenet'" in capsys.readouterr().out
 
 
-def test_attacker_run_with_paper_victims_fetches_them(server: _Server, small_set: bytes, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture) -> None:
+def test_attacker_run_with_paper_victims_fetches_them(
+    server: _Server, small_set: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     server.serve("MNIST_128.tdump", small_set)
     monkeypatch.setenv(pv.URL_ENV, server.url)
     monkeypatch.delenv(pv.OFFLINE_ENV)
-    args = ["run", "--paper-victims", "--data-root", str(tmp_path / "data"), "--model", "mlp", "--dataset", "mnist",
-            "--victims", "2", "--attacks", "dia", "--iterations", "2", "--no-lpips", "--quiet"]
+    args = [
+        "run",
+        "--paper-victims",
+        "--data-root",
+        str(tmp_path / "data"),
+        "--model",
+        "mlp",
+        "--dataset",
+        "mnist",
+        "--victims",
+        "2",
+        "--attacks",
+        "dia",
+        "--iterations",
+        "2",
+        "--no-lpips",
+        "--quiet",
+    ]
     assert attacker_main([*args, "--out", str(tmp_path / "run")]) == 0
     assert "fetching the paper's mnist victims" in capsys.readouterr().out
     assert (tmp_path / "run" / "metrics.json").is_file()
@@ -181,15 +207,35 @@ def test_attacker_run_with_paper_victims_fetches_them(server: _Server, small_set
 def test_commands_without_the_victims_say_so_in_one_line(tmp_path: Path) -> None:
     """As typed, offline (the tests set DLA_OFFLINE=1): exit 2, one line, no traceback, no run folder."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", "import sys; from attacker.cli import main; sys.exit(main())", "run",
-           "--paper-victims", "--data-root", str(tmp_path / "data"), "--out", str(out), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from attacker.cli import main; sys.exit(main())",
+        "run",
+        "--paper-victims",
+        "--data-root",
+        str(tmp_path / "data"),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     text = done.stdout + done.stderr
     assert done.returncode == 2, text
     assert "Traceback" not in text and "make victims" in text and "MNIST_128.tdump" in text
     assert not out.exists()
-    bad_url = [sys.executable, "-c", "import sys; from fedsim.cli import main; sys.exit(main())", "victims",
-               "--data-root", str(tmp_path / "data"), "--url", "http://127.0.0.1:9/", "--timeout", "2"]
+    bad_url = [
+        sys.executable,
+        "-c",
+        "import sys; from fedsim.cli import main; sys.exit(main())",
+        "victims",
+        "--data-root",
+        str(tmp_path / "data"),
+        "--url",
+        "http://127.0.0.1:9/",
+        "--timeout",
+        "2",
+    ]
     done = subprocess.run(bad_url, capture_output=True, text=True, timeout=60, cwd=tmp_path)  # port 9: nobody
     text = done.stdout + done.stderr
     assert done.returncode == 2 and "Traceback" not in text, text

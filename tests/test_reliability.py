@@ -169,16 +169,31 @@ def test_result_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
 
 
-CONFIG_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 50), st.floats(-2, 2), st.just(float("nan")),
-                          st.text(max_size=8), st.lists(st.integers(), max_size=2))
+CONFIG_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 50),
+    st.floats(-2, 2),
+    st.just(float("nan")),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+)
 
 
 @settings(max_examples=150, deadline=None)
 @given(
-    victims=st.dictionaries(st.sampled_from(["model", "dataset", "p", "victim_batch_size", "count", "source", "client", "num_clients", "colour"]),
-                            CONFIG_VALUES, max_size=5),
-    top=st.dictionaries(st.sampled_from(["attacks", "labels", "device", "seed", "checkpoint_every", "attack_overrides", "bogus"]),
-                        CONFIG_VALUES, max_size=3),
+    victims=st.dictionaries(
+        st.sampled_from(
+            ["model", "dataset", "p", "victim_batch_size", "count", "source", "client", "num_clients", "colour"]
+        ),
+        CONFIG_VALUES,
+        max_size=5,
+    ),
+    top=st.dictionaries(
+        st.sampled_from(["attacks", "labels", "device", "seed", "checkpoint_every", "attack_overrides", "bogus"]),
+        CONFIG_VALUES,
+        max_size=3,
+    ),
 )
 def test_config_validation_property(victims, top):
     """Any mapping either validates into a usable config or fails with a ConfigError, never another error."""
@@ -187,7 +202,11 @@ def test_config_validation_property(victims, top):
     except ConfigError as err:
         assert "\n" not in str(err)
         return
-    assert 0 <= cfg.victims.p < 1 and cfg.victims.victim_batch_size > 0 and cfg.victims.count % cfg.victims.victim_batch_size == 0
+    assert (
+        0 <= cfg.victims.p < 1
+        and cfg.victims.victim_batch_size > 0
+        and cfg.victims.count % cfg.victims.victim_batch_size == 0
+    )
     cfg.attack_configs()
     cfg.model_spec()
 
@@ -240,6 +259,7 @@ def test_a_damaged_checkpoint_is_refused_clearly(tmp_path, capsys, damage):
     if damage == "truncated":
         ckpt.write_bytes(b"PK\x03\x04 truncated")
     else:
+
         class Evil:
             def __reduce__(self):
                 return (Path.touch, (marker,))

@@ -27,8 +27,12 @@ class InProcessGrid(FakeGrid):
 
     def send_and_receive(self, messages: Any, timeout: float | None = None) -> list[Message]:
         handlers = {"train": handle_train, "evaluate": handle_evaluate}
-        return [handlers[m.metadata.message_type](m, _context(NODE_IDS.index(m.metadata.dst_node_id),
-                                                               m.metadata.dst_node_id)) for m in messages]
+        return [
+            handlers[m.metadata.message_type](
+                m, _context(NODE_IDS.index(m.metadata.dst_node_id), m.metadata.dst_node_id)
+            )
+            for m in messages
+        ]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,8 +49,9 @@ _context = client_context
 
 
 def _strategy(cfg: dict[str, Any], **kwargs: Any) -> CuriousFedAvg:
-    return CuriousFedAvg(task.model_spec(cfg), min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0,
-                         **kwargs)
+    return CuriousFedAvg(
+        task.model_spec(cfg), min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0, **kwargs
+    )
 
 
 def _round(strategy: CuriousFedAvg, cfg: dict[str, Any], server_round: int) -> tuple[ArrayRecord, list[Message]]:
@@ -87,8 +92,13 @@ def test_capture_never_changes_aggregation(cfg: dict[str, Any], tmp_path: Path) 
     for kind, one_step in (("update", False), ("gradient", True)):
         driver = _strategy(cfg, capture_rounds="all" if one_step else None)
         _, replies = _round(driver, cfg, 1)  # the same replies go to both strategies
-        on = _strategy(cfg, capture_rounds="all", capture_kind=kind, capture_dir=tmp_path / kind / "captures",
-                       oracle_dir=tmp_path / kind / "oracle")
+        on = _strategy(
+            cfg,
+            capture_rounds="all",
+            capture_kind=kind,
+            capture_dir=tmp_path / kind / "captures",
+            oracle_dir=tmp_path / kind / "oracle",
+        )
         off = _strategy(cfg)
         arrays = ArrayRecord(task.make_model(cfg).state_dict())
         for strategy in (on, off):  # both must have "sent" the round's global model
@@ -108,8 +118,11 @@ def test_capture_never_changes_aggregation(cfg: dict[str, Any], tmp_path: Path) 
 
 def test_client_evaluate(cfg: dict[str, Any]) -> None:
     arrays = ArrayRecord(task.make_model(cfg).state_dict())
-    msg = Message(content=RecordDict({"arrays": arrays, "config": ConfigRecord(dict(cfg))}),
-                  dst_node_id=NODE_IDS[0], message_type="evaluate")
+    msg = Message(
+        content=RecordDict({"arrays": arrays, "config": ConfigRecord(dict(cfg))}),
+        dst_node_id=NODE_IDS[0],
+        message_type="evaluate",
+    )
     reply = handle_evaluate(msg, _context(0, NODE_IDS[0]))
     metrics = reply.content["metrics"]
     assert metrics["num-examples"] > 0 and 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
@@ -118,10 +131,18 @@ def test_client_evaluate(cfg: dict[str, Any]) -> None:
 def test_ray_simulation_writes_captures_and_accuracy(cfg: dict[str, Any], tmp_path: Path) -> None:
     from fedsim.simulation import load_results, run_simulation_job
 
-    run_dir = run_simulation_job({
-        "num-clients": 3, "num-server-rounds": 2, "capture-rounds": "2", "audit": True, "download": False,
-        "local-steps": 3, "victim-batch-size": 2, "run-dir": str(tmp_path / "run"),
-    })
+    run_dir = run_simulation_job(
+        {
+            "num-clients": 3,
+            "num-server-rounds": 2,
+            "capture-rounds": "2",
+            "audit": True,
+            "download": False,
+            "local-steps": 3,
+            "victim-batch-size": 2,
+            "run-dir": str(tmp_path / "run"),
+        }
+    )
     with open(run_dir / "rounds.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["round"]) for r in rows] == [0, 1, 2]
@@ -147,8 +168,18 @@ def test_server_loop_early_stop_and_round_files(cfg: dict[str, Any], tmp_path: P
     from fedsim.server_app import run_server
 
     # lr 0: the model never changes, so accuracy cannot improve and patience 1 stops after round 1
-    run_cfg = resolve_config(cfg, {"optimizer": "sgd", "lr": 0.0, "num-server-rounds": 4, "early-stop-patience": 1,
-                                   "capture-rounds": "1", "capture-kind": "update", "run-dir": str(tmp_path)})
+    run_cfg = resolve_config(
+        cfg,
+        {
+            "optimizer": "sgd",
+            "lr": 0.0,
+            "num-server-rounds": 4,
+            "early-stop-patience": 1,
+            "capture-rounds": "1",
+            "capture-kind": "update",
+            "run-dir": str(tmp_path),
+        },
+    )
     summary = run_server(InProcessGrid(), run_cfg)
     assert summary["stopped_early"] and summary["rounds_run"] == 1
     assert [row["round"] for row in summary["rounds"]] == [0, 1]
@@ -183,20 +214,30 @@ def test_run_config_schema_validates_and_maps_snake_case() -> None:
     assert all(s.describe() for s in SCHEMA if s.choices or s.range)
     snake = {"num_server_rounds": 2, "model_options": {"width": 64}, "labels": "recovered", "onestep_float64": False}
     flat = to_run_config(snake)
-    assert flat == {"num-server-rounds": 2, "model-options": '{"width": 64}', "labels": "recovered",
-                    "onestep-float64": False}
+    assert flat == {
+        "num-server-rounds": 2,
+        "model-options": '{"width": 64}',
+        "labels": "recovered",
+        "onestep-float64": False,
+    }
     assert to_run_config(flat) == flat  # hyphenated keys pass through
     assert from_run_config(flat) == snake
     cfg = resolve_config(snake)
     assert cfg["num-server-rounds"] == 2 and cfg["model-options"] == '{"width": 64}' and cfg["labels"] == "recovered"
     assert from_run_config(cfg)["model_options"] == {"width": 64}
     assert resolve_config({"num-clients": "3", "audit": "yes", "lr": 0})["num-clients"] == 3
-    for bad, match in (({"labels": "unknown"}, "labels must be one of known, recovered"),
-                       ({"label-policy": "known"}, "is now labels"),
-                       ({"p": 1.0}, r"p must be in \[0, 1\)"), ({"num-server-rounds": 0}, "must be >= 1"),
-                       ({"onestep-lr": 0}, "must be > 0"), ({"batch-size": 2.5}, "expected an int"),
-                       ({"audit": "maybe"}, "expected a boolean"), ({"capture-rounds": "1,x"}, "capture-rounds"),
-                       ({"model-options": "[1]"}, "JSON object"), ({"colour": "red"}, "unknown run config key")):
+    for bad, match in (
+        ({"labels": "unknown"}, "labels must be one of known, recovered"),
+        ({"label-policy": "known"}, "is now labels"),
+        ({"p": 1.0}, r"p must be in \[0, 1\)"),
+        ({"num-server-rounds": 0}, "must be >= 1"),
+        ({"onestep-lr": 0}, "must be > 0"),
+        ({"batch-size": 2.5}, "expected an int"),
+        ({"audit": "maybe"}, "expected a boolean"),
+        ({"capture-rounds": "1,x"}, "capture-rounds"),
+        ({"model-options": "[1]"}, "JSON object"),
+        ({"colour": "red"}, "unknown run config key"),
+    ):
         with pytest.raises(RunConfigError, match=match):
             resolve_config(bad)
     assert resolve_config({"colour": "red"}, strict=False) == DEFAULTS
@@ -209,10 +250,18 @@ def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: 
     import subprocess
     import sys
 
-    config = {"num-clients": 2, "num-server-rounds": 1, "local-steps": 1, "download": False,
-              "data-root": str(tmp_path / "data"), "run-dir": str(tmp_path / "run")}
-    code = ("from attacker.cli import configure_logging; configure_logging(); "
-            f"from fedsim.simulation import run_simulation_job; run_simulation_job({config!r})")
+    config = {
+        "num-clients": 2,
+        "num-server-rounds": 1,
+        "local-steps": 1,
+        "download": False,
+        "data-root": str(tmp_path / "data"),
+        "run-dir": str(tmp_path / "run"),
+    }
+    code = (
+        "from attacker.cli import configure_logging; configure_logging(); "
+        f"from fedsim.simulation import run_simulation_job; run_simulation_job({config!r})"
+    )
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)

@@ -15,8 +15,17 @@ from fedsim import cli as fedsim_cli
 from fedsim.run_config import DEFAULTS, SETTINGS, from_run_config, to_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ("model", "dataset", "p", "model_options", "model_seed", "victim_batch_size", "data_root", "num_clients",
-          "seed")
+SHARED = (
+    "model",
+    "dataset",
+    "p",
+    "model_options",
+    "model_seed",
+    "victim_batch_size",
+    "data_root",
+    "num_clients",
+    "seed",
+)
 
 
 def _flags(parser) -> set[str]:

@@ -49,8 +49,14 @@ def check_group(jobs: list[VictimJob], attacks: list[AttackConfig]) -> None:
 class InversionModule(LightningModule):
     CHECKPOINT_FORMAT = 3  # 3: the unknowns and the per-job state as their own parts
 
-    def __init__(self, jobs: list[VictimJob], attacks: list[AttackConfig], oracles: list[Oracle | None] | None = None,
-                 seed: int = 0, chunk: int = CHECKPOINT_EVERY) -> None:
+    def __init__(
+        self,
+        jobs: list[VictimJob],
+        attacks: list[AttackConfig],
+        oracles: list[Oracle | None] | None = None,
+        seed: int = 0,
+        chunk: int = CHECKPOINT_EVERY,
+    ) -> None:
         super().__init__()
         check_group(jobs, attacks)
         self.automatic_optimization = False
@@ -62,21 +68,28 @@ class InversionModule(LightningModule):
             param.requires_grad_(False)
         self.matcher = Matcher(jobs, model)
         # Masks per local step and dropout layer, step-major (one step for a gradient job).
-        self.mask_shapes = [shape for batch in first.steps
-                            for shape in mask_shapes(model, torch.zeros(len(batch), *first.spec.input_shape))]
+        self.mask_shapes = [
+            shape
+            for batch in first.steps
+            for shape in mask_shapes(model, torch.zeros(len(batch), *first.spec.input_shape))
+        ]
         box = box_bounds(get_spec(first.spec.dataset, first.spec.input_shape[0]))
         self.unknowns = Unknowns(jobs, attacks, oracles, seed, model, self.mask_shapes, box)
         self.state = JobState.start(attacks)
         # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
         # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
         self.distance_names = sorted({a.distance for a in attacks})
-        self.register_buffer("distance_index", torch.tensor([self.distance_names.index(a.distance) for a in attacks]),
-                             persistent=False)
+        self.register_buffer(
+            "distance_index", torch.tensor([self.distance_names.index(a.distance) for a in attacks]), persistent=False
+        )
         learns = [mask_mode(a.masks, self.p).kind == "learn" for a in attacks]
         for key, term in TERMS.items():
-            weights = [term_weight(a, key, first.spec.name)
-                       if (learned or not term.learned_masks_only) and (self.copies > 1 or not term.copies_only)
-                       else 0.0 for a, learned in zip(attacks, learns)]
+            weights = [
+                term_weight(a, key, first.spec.name)
+                if (learned or not term.learned_masks_only) and (self.copies > 1 or not term.copies_only)
+                else 0.0
+                for a, learned in zip(attacks, learns)
+            ]
             self.register_buffer(f"weight_{key}", torch.tensor(weights), persistent=False)
 
     @property
@@ -188,10 +201,24 @@ class InversionModule(LightningModule):
         for j, (job, attack) in enumerate(zip(self.jobs, self.attacks)):
             source = unknowns.best_images if state.has_best[j] else unknowns.image_stack
             slots = unknowns.learned(j)
-            masks = ([getattr(unknowns, f"best_masks_{i}")[k].cpu().clone() for i, k in slots]
-                     if slots and state.has_best[j] else None)
+            masks = (
+                [getattr(unknowns, f"best_masks_{i}")[k].cpu().clone() for i, k in slots]
+                if slots and state.has_best[j]
+                else None
+            )
             learned = sum(unknowns.mask_stacks[i][k].numel() for i, k in slots)
-            out.append(JobResult(job.job_id, attack.name, merge_copies(source[j].detach().cpu().clone(), self.copies),
-                                 masks, state.best_loss[j], state.best_iteration[j], len(state.losses[j]),
-                                 state.status[j], pixels + learned, list(state.losses[j])))
+            out.append(
+                JobResult(
+                    job.job_id,
+                    attack.name,
+                    merge_copies(source[j].detach().cpu().clone(), self.copies),
+                    masks,
+                    state.best_loss[j],
+                    state.best_iteration[j],
+                    len(state.losses[j]),
+                    state.status[j],
+                    pixels + learned,
+                    list(state.losses[j]),
+                )
+            )
         return out

@@ -36,8 +36,15 @@ def adam_factors(lr: list[float], steps: list[int], moving: list[bool]) -> tuple
 
 
 @torch.no_grad()
-def adam_rows_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
-               bc2_sqrt: Tensor, moving: Tensor) -> None:
+def adam_rows_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step_size: Tensor,
+    bc2_sqrt: Tensor,
+    moving: Tensor,
+) -> None:
     """One Adam step of the rows of ``param`` where ``moving``; the others keep their values (their
     gradient is taken as zero, their step size must be 0). In place on param and the moments."""
     beta1, beta2 = BETAS
@@ -49,7 +56,9 @@ def adam_rows_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     param.addcdiv_(_rows_view(step_size, exp_avg) * exp_avg, denom)
 
 
-def plateau_step(lr: float, best: float, bad: int, loss: float, patience: int, factor: float) -> tuple[float, float, int]:
+def plateau_step(
+    lr: float, best: float, bad: int, loss: float, patience: int, factor: float
+) -> tuple[float, float, int]:
     """One ``torch.optim.lr_scheduler.ReduceLROnPlateau.step(loss)`` of one job with torch's defaults
     (mode min, relative threshold 1e-4, no cooldown, min_lr 0, eps 1e-8): the new (lr, best, bad)."""
     if loss < best * (1.0 - 1e-4):

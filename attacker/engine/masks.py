@@ -29,7 +29,11 @@ def init_mask(shape: torch.Size, p: float, method: str, generator: torch.Generat
 
 
 def analytical_masks(
-    model: nn.Module, gradient: list[Tensor], shapes: list[torch.Size], p: float, generator: torch.Generator | None = None
+    model: nn.Module,
+    gradient: list[Tensor],
+    shapes: list[torch.Size],
+    p: float,
+    generator: torch.Generator | None = None,
 ) -> list[Tensor]:
     """Paper eq. 7 (B = 1): a neuron of a fully-connected layer was dropped iff its row of that
     layer's weight gradient is all zero. Applies to dropout layers whose mask is (1, n) right after

@@ -42,8 +42,9 @@ class Matcher(nn.Module):
                 self.ghost = PerJobGradients(model)
         except UnsupportedModelError:
             if self.V > 1:
-                raise ValueError("this model (BatchNorm) couples the images of a batch: run its jobs one per "
-                                 "module") from None
+                raise ValueError(
+                    "this model (BatchNorm) couples the images of a batch: run its jobs one per module"
+                ) from None
         self._targets_for: tuple[int, ...] | None = None
 
     def targets(self, rows: list[int] | slice) -> list[Tensor]:
@@ -87,18 +88,32 @@ class Matcher(nn.Module):
             rows = slice(k * self.B, (k + 1) * self.B)
             if layers:
                 set_masks(self.model, [layer[rows] for layer in layers])
-            parts.append(autograd_terms(self.model, x[rows], self.job_labels(j), self.targets(slice(j, j + 1)),
-                                        self._support(j, x.device)))
-        return MatchTerms(torch.cat([t.dot for t in parts], 1), torch.cat([t.norm2 for t in parts], 1),
-                          torch.cat([t.target_norm2 for t in parts], 1), parts[0].names)
+            parts.append(
+                autograd_terms(
+                    self.model, x[rows], self.job_labels(j), self.targets(slice(j, j + 1)), self._support(j, x.device)
+                )
+            )
+        return MatchTerms(
+            torch.cat([t.dot for t in parts], 1),
+            torch.cat([t.norm2 for t in parts], 1),
+            torch.cat([t.target_norm2 for t in parts], 1),
+            parts[0].names,
+        )
 
     def replay(self, active: list[int], dummies: list[Tensor], masks: dict[int, list[Tensor]]) -> MatchTerms:
         """An update capture's terms: each job's round replayed with its dummies and its masks (a list
         over local steps, then dropout layers)."""
         per_layer = len(next(iter(masks.values()))) // len(self.steps) if masks else 0
-        per_step = [[masks[j][t * per_layer:(t + 1) * per_layer] for t in range(len(self.steps))] for j in active]
+        per_step = [[masks[j][t * per_layer : (t + 1) * per_layer] for t in range(len(self.steps))] for j in active]
         targets = [[getattr(self, f"target_{i}")[j] for i in range(self.num_params)] for j in active]
         start = dict(self.model.named_parameters())
-        return replay_terms(self.model, start, self.plan, [dummies[j] for j in active],
-                            [self.job_labels(j) for j in active], per_step, targets,
-                            [self._support(j, self.labels.device) for j in active])
+        return replay_terms(
+            self.model,
+            start,
+            self.plan,
+            [dummies[j] for j in active],
+            [self.job_labels(j) for j in active],
+            per_step,
+            targets,
+            [self._support(j, self.labels.device) for j in active],
+        )

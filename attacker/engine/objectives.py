@@ -55,8 +55,13 @@ def distance(name: str):
     return register
 
 
-def term(key: str, *, learned_masks_only: bool = False, copies_only: bool = False,
-         default: Callable[[str], float] | None = None):
+def term(
+    key: str,
+    *,
+    learned_masks_only: bool = False,
+    copies_only: bool = False,
+    default: Callable[[str], float] | None = None,
+):
     def register(fn: Callable[[TermInputs], Tensor]) -> Callable[[TermInputs], Tensor]:
         TERMS[key] = Term(key, fn, learned_masks_only, copies_only, default)
         return fn

@@ -44,8 +44,9 @@ def replay_terms(
     names = [n for n, _ in model.named_parameters()]
     dots, norms, target_norms = [], [], []
     for j, (x, y, job_masks, target) in enumerate(zip(images, labels, masks, targets)):
-        job_plan = replace(plan, dropout="learn", masks=job_masks, differentiable=True, keep_gradients=False,
-                           record_masks=False)
+        job_plan = replace(
+            plan, dropout="learn", masks=job_masks, differentiable=True, keep_gradients=False, record_masks=False
+        )
         update = run_local_round(model, TensorDataset(x, y), job_plan, start=start).update
         delta = [update[n] for n in names]
         support = supports[j] if supports is not None else None

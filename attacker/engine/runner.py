@@ -58,8 +58,9 @@ def _check_checkpoint(path: Path) -> None:
     if not isinstance(state, dict) or "inversion" not in state:
         raise CheckpointError(f"checkpoint {path} is not an attack checkpoint of this tool")
     if state["inversion"].get("format") != InversionModule.CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {path} was written by an older version of the engine; remove it to "
-                              "restart that group")
+        raise CheckpointError(
+            f"checkpoint {path} was written by an older version of the engine; remove it to restart that group"
+        )
 
 
 def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
@@ -67,8 +68,13 @@ def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
     update of the same local steps) run as one optimization."""
     groups: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
-        key = (json.dumps(job.spec.to_dict(), sort_keys=True), id(job.weights), job.batch_size, job.kind,
-               json.dumps(job.steps))
+        key = (
+            json.dumps(job.spec.to_dict(), sort_keys=True),
+            id(job.weights),
+            job.batch_size,
+            job.kind,
+            json.dumps(job.steps),
+        )
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
@@ -91,7 +97,7 @@ def quiet_lightning() -> Iterator[None]:
 
 
 def device_kind(accelerator: str) -> str:
-    """"gpu" or "cpu": the device Lightning will pick for ``accelerator`` ("auto": a GPU when there is one)."""
+    """ "gpu" or "cpu": the device Lightning will pick for ``accelerator`` ("auto": a GPU when there is one)."""
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     return "gpu" if on_gpu else "cpu"
 

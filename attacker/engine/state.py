@@ -32,14 +32,26 @@ class JobState:
     @classmethod
     def start(cls, attacks: list[AttackConfig]) -> JobState:
         v = len(attacks)
-        return cls([float(a.lr) for a in attacks], 0, [RUNNING] * v, [float("inf")] * v, [-1] * v, [0] * v,
-                   [False] * v, [[] for _ in range(v)], [0] * v, [float("inf")] * v, [0] * v)
+        return cls(
+            [float(a.lr) for a in attacks],
+            0,
+            [RUNNING] * v,
+            [float("inf")] * v,
+            [-1] * v,
+            [0] * v,
+            [False] * v,
+            [[] for _ in range(v)],
+            [0] * v,
+            [float("inf")] * v,
+            [0] * v,
+        )
 
     def active(self) -> list[int]:
         return [j for j, status in enumerate(self.status) if status == RUNNING]
 
-    def observe(self, active: list[int], values: list[float],
-                attacks: list[AttackConfig]) -> tuple[list[int], list[tuple[int, float]]]:
+    def observe(
+        self, active: list[int], values: list[float], attacks: list[AttackConfig]
+    ) -> tuple[list[int], list[tuple[int, float]]]:
         """Record this iteration's loss of each active job and apply the stopping rules: returns the
         jobs whose loss improved (their best iterate is to be kept) and the (job, loss) pairs still to
         be stepped."""
@@ -69,8 +81,13 @@ class JobState:
     def plateau(self, j: int, loss: float, attack: AttackConfig) -> None:
         """Job j's learning rate after its plateau rule (ReduceLROnPlateau's, job_adam.plateau_step) saw ``loss``."""
         self.job_lr[j], self.plateau_best[j], self.plateau_bad[j] = plateau_step(
-            self.job_lr[j], self.plateau_best[j], self.plateau_bad[j], loss, attack.plateau_patience,
-            attack.plateau_factor)
+            self.job_lr[j],
+            self.plateau_best[j],
+            self.plateau_bad[j],
+            loss,
+            attack.plateau_patience,
+            attack.plateau_factor,
+        )
 
     def state_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -34,8 +34,16 @@ class Unknowns(nn.Module):
     them. ``mask_slots[j][layer]`` says where job j's masks of a layer are: ("learn", row of the
     layer's learned stack), ("const", row of its constant stack) or ("random", -1)."""
 
-    def __init__(self, jobs: list[VictimJob], attacks: list[AttackConfig], oracles: list[Oracle | None] | None,
-                 seed: int, model: nn.Module, mask_shapes: list[torch.Size], box: tuple[Tensor, Tensor]) -> None:
+    def __init__(
+        self,
+        jobs: list[VictimJob],
+        attacks: list[AttackConfig],
+        oracles: list[Oracle | None] | None,
+        seed: int,
+        model: nn.Module,
+        mask_shapes: list[torch.Size],
+        box: tuple[Tensor, Tensor],
+    ) -> None:
         super().__init__()
         first = jobs[0]
         self.p, self.mask_shapes = first.p, mask_shapes
@@ -52,8 +60,9 @@ class Unknowns(nn.Module):
             oracle = oracles[j] if oracles else None
             if oracle is not None and not attack.receives_oracle:
                 # The threat model: IG and DIA see only what the server saw, never ground truth.
-                raise ValueError(f"job {job.job_id}: attack {attack.name} must not receive the oracle (only WIIG "
-                                 "replays true masks)")
+                raise ValueError(
+                    f"job {job.job_id}: attack {attack.name} must not receive the oracle (only WIIG replays true masks)"
+                )
             mode = mask_mode(attack.masks, self.p)
             if mode.uses_oracle and oracle is None:
                 raise ValueError(f"job {job.job_id}: WIIG replays the client's true masks and needs its oracle")
@@ -69,13 +78,15 @@ class Unknowns(nn.Module):
             for layer, m in enumerate(init):
                 rows[layer].append(m)
         self.image_stack = nn.Parameter(torch.stack(images))
-        self.mask_stacks = nn.ParameterList(nn.Parameter(torch.stack(r) if r else torch.zeros(0, *shape))
-                                            for r, shape in zip(learn_rows, mask_shapes))
+        self.mask_stacks = nn.ParameterList(
+            nn.Parameter(torch.stack(r) if r else torch.zeros(0, *shape)) for r, shape in zip(learn_rows, mask_shapes)
+        )
         for i, (r, shape) in enumerate(zip(const_rows, mask_shapes)):
             self.register_buffer(f"const_stack_{i}", torch.stack(r) if r else torch.zeros(0, *shape), persistent=False)
         # per layer, the job of each learned row (rows were added in job order)
-        self.learn_jobs = [[j for j in range(len(jobs)) if self.mask_slots[j][i][0] == "learn"]
-                           for i in range(len(mask_shapes))]
+        self.learn_jobs = [
+            [j for j in range(len(jobs)) if self.mask_slots[j][i][0] == "learn"] for i in range(len(mask_shapes))
+        ]
         # Adam's moments and the best iterates are persistent: a resumed run continues them.
         self.register_buffer("adam_m_images", torch.zeros_like(self.image_stack))
         self.register_buffer("adam_v_images", torch.zeros_like(self.image_stack))
@@ -157,8 +168,15 @@ class Unknowns(nn.Module):
                 if stack.grad is None or not self.learn_jobs[i]:
                     continue
                 rows = self.index(self.learn_jobs[i])
-                adam_rows_(stack, stack.grad, getattr(self, f"adam_m_mask_{i}"), getattr(self, f"adam_v_mask_{i}"),
-                           step_size.index_select(0, rows), bc2_sqrt.index_select(0, rows), moving.index_select(0, rows))
+                adam_rows_(
+                    stack,
+                    stack.grad,
+                    getattr(self, f"adam_m_mask_{i}"),
+                    getattr(self, f"adam_v_mask_{i}"),
+                    step_size.index_select(0, rows),
+                    bc2_sqrt.index_select(0, rows),
+                    moving.index_select(0, rows),
+                )
                 stack.clamp_(0.0, 1.0)
 
     def keep_best(self, jobs: list[int]) -> None:

@@ -60,21 +60,27 @@ class RayOptions:
         if not self.cpus_per_task > 0:
             raise ClusterError(f"--ray-cpus-per-task must be positive, got {self.cpus_per_task:g}")
         if self.gpus_per_task < 0 or (self.gpus_per_task > 1 and self.gpus_per_task != int(self.gpus_per_task)):
-            raise ClusterError(f"--ray-gpus-per-task must be a fraction up to 1 or a whole number, got {self.gpus_per_task:g}")
+            raise ClusterError(
+                f"--ray-gpus-per-task must be a fraction up to 1 or a whole number, got {self.gpus_per_task:g}"
+            )
         if self.max_retries < 0:
             raise ClusterError(f"--ray-max-retries must be 0 or more, got {self.max_retries}")
         if not self.connect_timeout_s > 0:
             raise ClusterError(f"--ray-timeout must be positive, got {self.connect_timeout_s:g}")
         if self.local_cpus is not None:
             if self.address is not None:
-                raise ClusterError("--ray-local-cpus sizes a local Ray (--ray without an address), not an existing cluster")
+                raise ClusterError(
+                    "--ray-local-cpus sizes a local Ray (--ray without an address), not an existing cluster"
+                )
             if self.local_cpus < 1:
                 raise ClusterError(f"--ray-local-cpus must be at least 1, got {self.local_cpus}")
 
     @property
     def request(self) -> str:
-        return (f"{self.cpus_per_task:g} CPU(s) and {self.gpus_per_task:g} GPU(s) per task, up to "
-                f"{_retries(self.max_retries)} of a cell whose worker dies")
+        return (
+            f"{self.cpus_per_task:g} CPU(s) and {self.gpus_per_task:g} GPU(s) per task, up to "
+            f"{_retries(self.max_retries)} of a cell whose worker dies"
+        )
 
     @property
     def where(self) -> str:
@@ -86,14 +92,16 @@ class RayOptions:
 
 def _host_port(address: str) -> tuple[str, int] | None:
     """The (host, port) a "host:port" or "ray://host:port" address names; None for "auto"."""
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    rest = address[len("ray://") :] if address.startswith("ray://") else address
     if rest in ("auto", "local") and not address.startswith("ray://"):
         return None
     host, sep, port = rest.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit():
-        raise ClusterError(f"--ray {address}: expected ray://HOST:PORT (Ray Client, port 10001), HOST:PORT "
-                           f"(the head's GCS port, 6379) or auto")
+        raise ClusterError(
+            f"--ray {address}: expected ray://HOST:PORT (Ray Client, port 10001), HOST:PORT "
+            f"(the head's GCS port, 6379) or auto"
+        )
     return host, int(port)
 
 
@@ -101,14 +109,17 @@ def probe_tcp(host: str, port: int, timeout_s: float) -> None:
     """Open a TCP connection to host:port within ``timeout_s`` seconds (name lookup included, in a
     daemon thread joined with a deadline), else raise ClusterError."""
     try:
-        call_with_deadline(lambda: socket.create_connection((host, port), timeout=timeout_s).close(), timeout_s,
-                           "ray-address-probe")
+        call_with_deadline(
+            lambda: socket.create_connection((host, port), timeout=timeout_s).close(), timeout_s, "ray-address-probe"
+        )
     except TimeoutError:
         raise ClusterError(f"the Ray cluster at {host}:{port} did not answer within {timeout_s:g} s") from None
     except OSError as exc:
         reason = exc.strerror or exc
-        raise ClusterError(f"cannot reach the Ray cluster at {host}:{port}: {reason} (is `ray start --head` running "
-                           f"there, and is the port right: 6379 for HOST:PORT, 10001 for ray://?)") from None
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {host}:{port}: {reason} (is `ray start --head` running "
+            f"there, and is the port right: 6379 for HOST:PORT, 10001 for ray://?)"
+        ) from None
 
 
 def check_address(opts: RayOptions) -> None:
@@ -152,9 +163,11 @@ def connect(opts: RayOptions) -> None:
         try:
             call_with_deadline(lambda: ray.init(**kwargs), opts.connect_timeout_s, "ray-connect")
         except TimeoutError:
-            raise ClusterError(f"could not connect to {opts.where} within {opts.connect_timeout_s:g} s (is it a Ray "
-                               f"head? HOST:PORT is the GCS port, 6379 by default, ray://HOST:10001 the Ray Client "
-                               f"port; a busy head may need a longer --ray-timeout)") from None
+            raise ClusterError(
+                f"could not connect to {opts.where} within {opts.connect_timeout_s:g} s (is it a Ray "
+                f"head? HOST:PORT is the GCS port, 6379 by default, ray://HOST:10001 the Ray Client "
+                f"port; a busy head may need a longer --ray-timeout)"
+            ) from None
         except BaseException as err:  # noqa: BLE001 - whatever ray.init raised, in one line
             raise ClusterError(f"could not connect to {opts.where}: {_one_line(err)}") from None
 
@@ -181,19 +194,29 @@ def check_resources(opts: RayOptions) -> str:
     total = ray.cluster_resources()
     cpus, gpus = float(total.get("CPU", 0)), float(total.get("GPU", 0))
     described = f"{len(nodes)} node(s), {_fmt(cpus)} CPU(s), {_fmt(gpus)} GPU(s)"
-    fits = [n for n in nodes if float(n.get("CPU", 0)) >= opts.cpus_per_task and float(n.get("GPU", 0)) >= opts.gpus_per_task]
+    fits = [
+        n
+        for n in nodes
+        if float(n.get("CPU", 0)) >= opts.cpus_per_task and float(n.get("GPU", 0)) >= opts.gpus_per_task
+    ]
     if not fits:
         best_cpu = max((float(n.get("CPU", 0)) for n in nodes), default=0.0)
         best_gpu = max((float(n.get("GPU", 0)) for n in nodes), default=0.0)
         if opts.gpus_per_task > best_gpu:
-            need = (f"--ray-gpus-per-task {_fmt(opts.gpus_per_task)}, but no node has that many GPUs "
-                    f"(largest: {_fmt(best_gpu)})")
+            need = (
+                f"--ray-gpus-per-task {_fmt(opts.gpus_per_task)}, but no node has that many GPUs "
+                f"(largest: {_fmt(best_gpu)})"
+            )
         elif opts.cpus_per_task > best_cpu:
-            need = (f"--ray-cpus-per-task {_fmt(opts.cpus_per_task)}, but no node has that many CPUs "
-                    f"(largest: {_fmt(best_cpu)})")
+            need = (
+                f"--ray-cpus-per-task {_fmt(opts.cpus_per_task)}, but no node has that many CPUs "
+                f"(largest: {_fmt(best_cpu)})"
+            )
         else:
-            need = (f"{_fmt(opts.cpus_per_task)} CPU(s) and {_fmt(opts.gpus_per_task)} GPU(s) per task, "
-                    f"but no single node has both")
+            need = (
+                f"{_fmt(opts.cpus_per_task)} CPU(s) and {_fmt(opts.gpus_per_task)} GPU(s) per task, "
+                f"but no single node has both"
+            )
         raise ClusterError(f"{opts.where} ({described}) cannot run a cell: {need}")
     return described
 
@@ -212,8 +235,10 @@ def run_cell(cfg: RunConfig, run_dir: str, cwd: str, threads: int) -> dict[str, 
     try:
         os.chdir(cwd)
     except OSError:
-        raise ExperimentError(f"the driver's folder {cwd} is not on this node ({ray.util.get_node_ip_address()}): "
-                              f"the nodes need the repository and the output folder at the same paths") from None
+        raise ExperimentError(
+            f"the driver's folder {cwd} is not on this node ({ray.util.get_node_ip_address()}): "
+            f"the nodes need the repository and the output folder at the same paths"
+        ) from None
     torch.set_num_threads(threads)
     if cfg.device == "auto" and not ray.get_gpu_ids():
         cfg = replace(cfg, device="cpu")  # no GPU granted: never use one behind Ray's back
@@ -263,8 +288,12 @@ def run_cells(
     from fedsim.atomic import atomic_write
 
     threads = max(1, math.floor(opts.cpus_per_task))
-    task = ray.remote(num_cpus=opts.cpus_per_task, num_gpus=opts.gpus_per_task, max_retries=opts.max_retries,
-                      retry_exceptions=_retry_on())(CELL_TASK)
+    task = ray.remote(
+        num_cpus=opts.cpus_per_task,
+        num_gpus=opts.gpus_per_task,
+        max_retries=opts.max_retries,
+        retry_exceptions=_retry_on(),
+    )(CELL_TASK)
     cwd = os.getcwd()
     pending: dict[Any, tuple[Cell, Path]] = {}
     for cell, cfg, run_dir in todo:
@@ -296,8 +325,10 @@ def run_cells(
                 message = f"{_one_line(err)} (after {_retries(opts.max_retries)})"
             else:
                 counts["ran"] += 1
-                log(f"[bold cyan]{head}[/bold cyan]: {cell.label()} finished in {result['seconds']:.0f} s "
-                    f"on {result['node']}")
+                log(
+                    f"[bold cyan]{head}[/bold cyan]: {cell.label()} finished in {result['seconds']:.0f} s "
+                    f"on {result['node']}"
+                )
                 on_finished()
                 continue
             counts["failed"] += 1

@@ -25,9 +25,13 @@ def defense_fields(out: Path, cell: Cell) -> dict[str, Any]:
     name = str(settings.get("defense", "none"))
     defense = DEFENSES.get(name)
     level = defense.level if defense is not None else None
-    fields: dict[str, Any] = {"defense": name, "defense_level": settings.get(level) if level else None,
-                              "defense_knob": defense.level_name if defense is not None else "",
-                              "epsilon": None, "delta": None}
+    fields: dict[str, Any] = {
+        "defense": name,
+        "defense_level": settings.get(level) if level else None,
+        "defense_knob": defense.level_name if defense is not None else "",
+        "epsilon": None,
+        "delta": None,
+    }
     fed = out / "federations" / cell.key
     try:
         cfg = json.loads((fed / "config.json").read_text())
@@ -37,7 +41,9 @@ def defense_fields(out: Path, cell: Cell) -> dict[str, Any]:
     rounds = int(res.get("rounds_run") or 0)
     try:
         n = int(cfg["num-clients"])
-        spent = privacy_spent(resolve_config(cfg, strict=False), rounds, max(1, int(n * float(cfg["fraction-train"]))), n)
+        spent = privacy_spent(
+            resolve_config(cfg, strict=False), rounds, max(1, int(n * float(cfg["fraction-train"]))), n
+        )
     except (KeyError, ValueError):  # a federation folder from another version: no epsilon rather than no report
         return fields
     if spent:
@@ -64,8 +70,14 @@ def frontier_figure(rows: list[dict[str, Any]], path: Path, attack: str = "dia")
     Dropout alone (no defense, p rising) is the black curve."""
     import matplotlib.pyplot as plt  # the Agg backend: attacker.report selected it
 
-    rows = [r for r in rows if r.get("defense") and r["attack"] == attack and r.get("ssim_paper_mean") is not None
-            and r.get("accuracy_final") is not None]
+    rows = [
+        r
+        for r in rows
+        if r.get("defense")
+        and r["attack"] == attack
+        and r.get("ssim_paper_mean") is not None
+        and r.get("accuracy_final") is not None
+    ]
     panels = sorted({(r["model"], r["dataset"]) for r in rows})
     if not panels:
         return False
@@ -76,20 +88,40 @@ def frontier_figure(rows: list[dict[str, Any]], path: Path, attack: str = "dia")
         base = {r["p"]: r for r in prow if r["defense"] == "none"}
         alone = sorted(base.values(), key=lambda r: r["p"])
         if alone:
-            ax.plot([r["accuracy_final"] for r in alone], [r["ssim_paper_mean"] for r in alone], color="black", lw=2,
-                    label="dropout alone (p ↑)")
+            ax.plot(
+                [r["accuracy_final"] for r in alone],
+                [r["ssim_paper_mean"] for r in alone],
+                color="black",
+                lw=2,
+                label="dropout alone (p ↑)",
+            )
         for i, defense in enumerate(d for d in DEFENSES.values() if d.level is not None):
             color = f"C{i}"
             for p in sorted({r["p"] for r in prow if r["defense"] == defense.name}):
-                pts = sorted((r for r in prow if r["defense"] == defense.name and r["p"] == p),
-                             key=lambda r: r["defense_level"], reverse=defense.stronger_when_smaller)  # weakest first
+                pts = sorted(
+                    (r for r in prow if r["defense"] == defense.name and r["p"] == p),
+                    key=lambda r: r["defense_level"],
+                    reverse=defense.stronger_when_smaller,
+                )  # weakest first
                 pts = ([base[p]] if p in base else []) + pts
-                ax.plot([r["accuracy_final"] for r in pts], [r["ssim_paper_mean"] for r in pts], color=color,
-                        marker=markers.get(p, "x"), ms=5, alpha=0.85,
-                        label=defense.family if p == min(r["p"] for r in prow if r["defense"] == defense.name) else None)
+                ax.plot(
+                    [r["accuracy_final"] for r in pts],
+                    [r["ssim_paper_mean"] for r in pts],
+                    color=color,
+                    marker=markers.get(p, "x"),
+                    ms=5,
+                    alpha=0.85,
+                    label=defense.family if p == min(r["p"] for r in prow if r["defense"] == defense.name) else None,
+                )
                 for r in pts[1:]:
-                    ax.annotate(f"{r['defense_level']:g}", (r["accuracy_final"], r["ssim_paper_mean"]), fontsize=6,
-                                xytext=(3, 2), textcoords="offset points", color=color)
+                    ax.annotate(
+                        f"{r['defense_level']:g}",
+                        (r["accuracy_final"], r["ssim_paper_mean"]),
+                        fontsize=6,
+                        xytext=(3, 2),
+                        textcoords="offset points",
+                        color=color,
+                    )
         for p, m in markers.items():
             if p in {r["p"] for r in prow}:
                 ax.plot([], [], color="gray", marker=m, ls="", label=f"p = {p:g}")

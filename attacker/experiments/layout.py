@@ -23,6 +23,9 @@ def run_state(run_dir: Path) -> str:
 
 def accuracy_dir(out: Path, model: str, dataset: str, p: float, settings: Settings) -> Path:
     """One folder per federation setting, so a changed --fl-* option never reuses a stale result."""
-    tag = f"r{settings.fl_rounds}" + (f"-c{settings.fl_clients}" if settings.fl_clients else "") + (
-        f"-s{settings.fl_local_steps}" if settings.fl_local_steps else "")
+    tag = (
+        f"r{settings.fl_rounds}"
+        + (f"-c{settings.fl_clients}" if settings.fl_clients else "")
+        + (f"-s{settings.fl_local_steps}" if settings.fl_local_steps else "")
+    )
     return out / "accuracy" / f"{model}-{dataset}-p{p:g}-{tag}"

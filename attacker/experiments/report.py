@@ -29,8 +29,11 @@ def _load_json(path: Path) -> Any:
 
 def _accuracy(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | None:
     # a cell with its own federation (a defense, ...): that federation's accuracy (run.capture_federation)
-    run_dir = out / "federations" / cell.key if cell.federation else accuracy_dir(out, cell.model, cell.dataset,
-                                                                                   cell.p, settings)
+    run_dir = (
+        out / "federations" / cell.key
+        if cell.federation
+        else accuracy_dir(out, cell.model, cell.dataset, cell.p, settings)
+    )
     res = _load_json(run_dir / "results.json")
     if res is None:
         return None
@@ -38,43 +41,66 @@ def _accuracy(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | Non
         trained = [r for r in res.get("rounds", []) if 0 < int(r["round"]) <= settings.fl_rounds]
         if not trained:
             return None
-        return {"final": 100 * float(trained[-1]["accuracy"]), "best": 100 * max(float(r["accuracy"]) for r in trained),
-                "rounds": len(trained)}
-    return {"final": 100 * float(res["final_accuracy"]), "best": 100 * float(res["best_accuracy"]),
-            "rounds": int(res.get("rounds_run", settings.fl_rounds))}
+        return {
+            "final": 100 * float(trained[-1]["accuracy"]),
+            "best": 100 * max(float(r["accuracy"]) for r in trained),
+            "rounds": len(trained),
+        }
+    return {
+        "final": 100 * float(res["final_accuracy"]),
+        "best": 100 * float(res["best_accuracy"]),
+        "rounds": int(res.get("rounds_run", settings.fl_rounds)),
+    }
 
 
-def collect_rows(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: Path,
-                 settings: Settings) -> list[dict[str, Any]]:
+def collect_rows(
+    experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: Path, settings: Settings
+) -> list[dict[str, Any]]:
     """One row per (cell, attack) of every experiment: ours (when run) beside the paper's values."""
     chosen = {cell.key for _, cell in selected}
     rows = []
     for exp in experiments:
         for cell in exp.cells:
             run_dir = cell_dir(out, cell)
-            state = run_state(run_dir) if run_dir.exists() else ("not selected" if cell.key not in chosen else "not run")
+            state = (
+                run_state(run_dir) if run_dir.exists() else ("not selected" if cell.key not in chosen else "not run")
+            )
             if (run_dir / "failed.txt").is_file() and state != "finished":
                 state = "failed"
-            summary = {e["attack"]: e for e in (_load_json(run_dir / "summary.json") or [])} if state == "finished" else {}
+            summary = (
+                {e["attack"]: e for e in (_load_json(run_dir / "summary.json") or [])} if state == "finished" else {}
+            )
             metrics = _load_json(run_dir / "metrics.json") or [] if state == "finished" else []
             acc = _accuracy(out, cell, settings) if exp.accuracy is not None and "accuracy" in cell.paper else None
             defense = defense_fields(out, cell)
             for attack in cell.attacks:
                 e = summary.get(attack, {})
                 row: dict[str, Any] = {
-                    "experiment": exp.name, "cell": cell.id, "model": cell.model, "dataset": cell.dataset,
-                    "p": cell.p, "B": cell.B, "attack": attack, "K": cell.local_steps,
-                    "optimizer": cell.optimizer, "local_round": cell.local_round_label(),
+                    "experiment": exp.name,
+                    "cell": cell.id,
+                    "model": cell.model,
+                    "dataset": cell.dataset,
+                    "p": cell.p,
+                    "B": cell.B,
+                    "attack": attack,
+                    "K": cell.local_steps,
+                    "optimizer": cell.optimizer,
+                    "local_round": cell.local_round_label(),
                     "lambda_mask": cell.overrides.get("lambda_mask", exp.attack_overrides.get("lambda_mask")),
                     "mask_init": cell.overrides.get("mask_init", exp.attack_overrides.get("mask_init")),
                     "overrides": json.dumps({**exp.attack_overrides, **cell.overrides}, sort_keys=True),
-                    "status": state, "victims": e.get("victims"), **defense,
+                    "status": state,
+                    "victims": e.get("victims"),
+                    **defense,
                 }
                 for key in SUMMARY_METRICS:
                     row[f"{key}_mean"] = e.get(f"{key}_mean")
                     row[f"{key}_std"] = e.get(f"{key}_std")
-                unmatched = [float(m["ssim_paper_unmatched"]) for m in metrics
-                             if m.get("attack") == attack and m.get("ssim_paper_unmatched") is not None]
+                unmatched = [
+                    float(m["ssim_paper_unmatched"])
+                    for m in metrics
+                    if m.get("attack") == attack and m.get("ssim_paper_unmatched") is not None
+                ]
                 row["ssim_paper_unmatched_mean"] = sum(unmatched) / len(unmatched) if unmatched else None
                 row["reached_ssim90"] = e.get("reached_ssim90")
                 paper = cell.paper.get(attack) or {}
@@ -107,10 +133,16 @@ def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], pa
     x_key, s_key = fig["x"], fig["series"]
     for ax, panel in zip(axes[0], panels):
         prow = [r for r in rows if tuple(r[k] for k in panel_keys) == panel]
-        for i, series in enumerate(sorted({r[s_key] for r in prow}, key=lambda v: (v is None, str(v) if not isinstance(v, (int, float)) else v))):
+        for i, series in enumerate(
+            sorted(
+                {r[s_key] for r in prow}, key=lambda v: (v is None, str(v) if not isinstance(v, (int, float)) else v)
+            )
+        ):
             srow = sorted((r for r in prow if r[s_key] == series), key=lambda r: r[x_key])
             color = f"C{i}"
-            ours = [(r[x_key], r[f"{metric}_mean"], r[f"{metric}_std"]) for r in srow if r.get(f"{metric}_mean") is not None]
+            ours = [
+                (r[x_key], r[f"{metric}_mean"], r[f"{metric}_std"]) for r in srow if r.get(f"{metric}_mean") is not None
+            ]
             if ours:
                 xs, ys, es = zip(*ours)
                 ax.errorbar(xs, ys, yerr=es, color=color, marker="o", capsize=3, label=f"{s_key}={series} (ours)")
@@ -136,14 +168,15 @@ def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], pa
     return True
 
 
-def write_report(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: str | Path,
-                 settings: Settings) -> Path:
+def write_report(
+    experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: str | Path, settings: Settings
+) -> Path:
     out = Path(out)
     rows = collect_rows(experiments, selected, out, settings)
     atomic_write(out / "results.csv", csv_text(rows))
     iters = f"{settings.iterations:,}" if settings.iterations else "the configs' (paper: 20,000)"
     lines = [
-        "# Reproduction of \"Dropout is NOT All You Need to Prevent Gradient Leakage\"\n",
+        '# Reproduction of "Dropout is NOT All You Need to Prevent Gradient Leakage"\n',
         f"Victims: {settings.victim_source} ({settings.victims or 'the configs’'} images per cell); iteration cap: "
         f"{iters}; device: {settings.device}. Updated {time.strftime('%Y-%m-%d %H:%M:%S')}.\n",
         "**SSIM spaces.** *SSIM (paper space)* is computed on normalized tensors with data_range = 1/std — the space "
@@ -193,36 +226,54 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
             if defended:
                 cells += [r.get("defense") or "–", level_text(r), epsilon_text(r)]
             victims = "–" if not r["victims"] else (f"{r['victims']}×{r['B']}" if r["B"] > 1 else str(r["victims"]))
-            cells += [r["attack"], victims, fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
-                      fmt_mean_std(r["paper_ssim"], digits=2), fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"])]
+            cells += [
+                r["attack"],
+                victims,
+                fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
+                fmt_mean_std(r["paper_ssim"], digits=2),
+                fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"]),
+            ]
             if defended:
                 cells.append(fmt_mean_std(r.get("rdlv_mean"), r.get("rdlv_std"), digits=2))
             if curves:
                 reached = r.get("reached_ssim90")
                 mean = r.get("iters_to_ssim90_mean")
-                cells.append("–" if reached is None else f"{mean:.0f} ({reached}/{r['victims'] or '?'})"
-                             if mean is not None else f"never (0/{r['victims'] or '?'})")
+                cells.append(
+                    "–"
+                    if reached is None
+                    else f"{mean:.0f} ({reached}/{r['victims'] or '?'})"
+                    if mean is not None
+                    else f"never (0/{r['victims'] or '?'})"
+                )
             if has_mmd:
                 cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
             if has_acc:
-                acc = "–" if r.get("accuracy_final") is None else f"{r['accuracy_final']:.2f} / {r['accuracy_best']:.2f} ({r['fl_rounds']} rounds)"
+                acc = (
+                    "–"
+                    if r.get("accuracy_final") is None
+                    else f"{r['accuracy_final']:.2f} / {r['accuracy_best']:.2f} ({r['fl_rounds']} rounds)"
+                )
                 cells += [acc, fmt_mean_std(r.get("paper_accuracy"), digits=2)]
             cells.append(r["status"])
             lines.append("| " + " | ".join(cells) + " |")
         if defended:
-            lines.append(f"\nAccuracy: the defended federation's global test accuracy after its {settings.fl_rounds} "
-                         "training rounds; the attacks run on one further, audited round under the same defense. "
-                         "ε: Flower's RdpAccountant over all rounds (no sampling amplification; local DP: each "
-                         "client's own guarantee). RDLV = (SSIM(recon) − SSIM(prior)) / SSIM(prior), the prior being "
-                         "the mean image of the run's other victims.\n")
+            lines.append(
+                f"\nAccuracy: the defended federation's global test accuracy after its {settings.fl_rounds} "
+                "training rounds; the attacks run on one further, audited round under the same defense. "
+                "ε: Flower's RdpAccountant over all rounds (no sampling amplification; local DP: each "
+                "client's own guarantee). RDLV = (SSIM(recon) − SSIM(prior)) / SSIM(prior), the prior being "
+                "the mean image of the run's other victims.\n"
+            )
             path = out / "figures" / f"{exp.name}_frontier.png"
             if frontier_figure(erows, path):
                 lines.append(f"\n![{exp.name} frontier](figures/{path.name})\n")
         elif has_acc:
             paper_rounds = exp.accuracy.get("paper_rounds") if exp.accuracy else None
-            lines.append(f"\nAccuracy: global test accuracy after {settings.fl_rounds} federated rounds "
-                         f"({'run' if settings.accuracy else 'skipped: --no-accuracy'}; the paper trains to convergence, "
-                         f"up to {paper_rounds} rounds), from `accuracy/`.\n")
+            lines.append(
+                f"\nAccuracy: global test accuracy after {settings.fl_rounds} federated rounds "
+                f"({'run' if settings.accuracy else 'skipped: --no-accuracy'}; the paper trains to convergence, "
+                f"up to {paper_rounds} rounds), from `accuracy/`.\n"
+            )
         for fig in exp.figures:
             path = out / "figures" / f"{exp.name}_{fig['name']}.png"
             if _figure(exp, fig, rows, path):
@@ -231,8 +282,10 @@ def write_report(experiments: list[Experiment], selected: list[tuple[Experiment,
         if shown:
             lines.append("\n<details><summary>Reconstructions and loss curves per cell</summary>\n")
             for c in shown:
-                lines.append(f"\n**{c.key}** ({c.label()}) — [report](cells/{c.key}/report.md)\n\n"
-                             f"![grid](cells/{c.key}/grid.png) ![loss](cells/{c.key}/loss_curves.png)\n")
+                lines.append(
+                    f"\n**{c.key}** ({c.label()}) — [report](cells/{c.key}/report.md)\n\n"
+                    f"![grid](cells/{c.key}/grid.png) ![loss](cells/{c.key}/loss_curves.png)\n"
+                )
             lines.append("\n</details>\n")
     path = out / "results.md"
     atomic_write(path, "\n".join(lines) + "\n")

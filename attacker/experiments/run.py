@@ -41,8 +41,11 @@ def _config_diff(run_dir: Path, cfg: RunConfig) -> list[str]:
         return out
 
     a, b = flat(old), flat(new)
-    return [f"{k.rstrip('.')}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k != "device." and a.get(k) != b.get(k)]
+    return [
+        f"{k.rstrip('.')}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if k != "device." and a.get(k) != b.get(k)
+    ]
 
 
 def _run_federation(config: dict[str, Any]) -> Path:
@@ -52,8 +55,9 @@ def _run_federation(config: dict[str, Any]) -> Path:
     return run_simulation_job(config, quiet=True)  # the experiment logs each cell; Flower's warnings stay
 
 
-def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], Any],
-                       federation: dict[str, Any] | None = None) -> Path:
+def capture_federation(
+    cfg: RunConfig, settings: Settings, log: Callable[[str], Any], federation: dict[str, Any] | None = None
+) -> Path:
     """The victims of a cell as the paper takes them, through the federated pipeline: one Flower
     round at the model's random initialization in which each of count/B clients takes one training
     step on B images of its own partition and the curious server captures the gradients.
@@ -71,18 +75,33 @@ def capture_federation(cfg: RunConfig, settings: Settings, log: Callable[[str], 
     clients = v.count // v.victim_batch_size
     rounds = settings.fl_rounds + 1 if federation else 1
     if federation:
-        log(f"  federation: {rounds - 1} training rounds + 1 audited round, {clients} clients, {federation}; "
+        log(
+            f"  federation: {rounds - 1} training rounds + 1 audited round, {clients} clients, {federation}; "
             f"round {rounds} captured "
-            f"(one step on {v.victim_batch_size} image(s) per client)")
+            f"(one step on {v.victim_batch_size} image(s) per client)"
+        )
     else:
-        log(f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.victim_batch_size} image(s), "
-            "captured")
-    config = to_run_config({
-        "model": v.model, "dataset": v.dataset, "p": v.p, "model_options": v.model_options,
-        "model_seed": v.model_seed, "num_clients": clients, "num_server_rounds": rounds, "capture_rounds": str(rounds),
-        "victim_batch_size": v.victim_batch_size, "audit": True, "run_dir": str(fed_dir), "data_root": v.data_root,
-        "seed": v.seed,
-    })
+        log(
+            f"  federated victims: 1 Flower round, {clients} clients, each one step on {v.victim_batch_size} image(s), "
+            "captured"
+        )
+    config = to_run_config(
+        {
+            "model": v.model,
+            "dataset": v.dataset,
+            "p": v.p,
+            "model_options": v.model_options,
+            "model_seed": v.model_seed,
+            "num_clients": clients,
+            "num_server_rounds": rounds,
+            "capture_rounds": str(rounds),
+            "victim_batch_size": v.victim_batch_size,
+            "audit": True,
+            "run_dir": str(fed_dir),
+            "data_root": v.data_root,
+            "seed": v.seed,
+        }
+    )
     config.update(to_run_config(federation or {}))
     return _run_federation(config)
 
@@ -95,8 +114,9 @@ def accuracy_jobs(selected: list[tuple[Experiment, Cell]]) -> dict[tuple[str, st
     return jobs
 
 
-def run_accuracy(out: Path, selected: list[tuple[Experiment, Cell]], settings: Settings,
-                 log: Callable[[str], Any]) -> None:
+def run_accuracy(
+    out: Path, selected: list[tuple[Experiment, Cell]], settings: Settings, log: Callable[[str], Any]
+) -> None:
     jobs = accuracy_jobs(selected)
     for n, ((model, dataset, p), base) in enumerate(sorted(jobs.items()), 1):
         run_dir = accuracy_dir(out, model, dataset, p, settings)
@@ -105,14 +125,26 @@ def run_accuracy(out: Path, selected: list[tuple[Experiment, Cell]], settings: S
             continue
         if run_dir.exists():  # an interrupted simulation: Flower cannot resume it, start it again
             shutil.rmtree(run_dir)
-        config = dict(base, model=model, dataset=dataset, p=p, **{"num-server-rounds": settings.fl_rounds,
-                      "run-dir": str(run_dir), "data-root": settings.data_root, "seed": settings.seed})
+        config = dict(
+            base,
+            model=model,
+            dataset=dataset,
+            p=p,
+            **{
+                "num-server-rounds": settings.fl_rounds,
+                "run-dir": str(run_dir),
+                "data-root": settings.data_root,
+                "seed": settings.seed,
+            },
+        )
         if settings.fl_local_steps:
             config["local-steps"] = settings.fl_local_steps
         if settings.fl_clients:
             config["num-clients"] = settings.fl_clients
-        log(f"[bold]accuracy {n}/{len(jobs)}[/bold] {model}/{dataset} p={p:g}: federated training, "
-            f"{settings.fl_rounds} rounds (paper: to convergence)")
+        log(
+            f"[bold]accuracy {n}/{len(jobs)}[/bold] {model}/{dataset} p={p:g}: federated training, "
+            f"{settings.fl_rounds} rounds (paper: to convergence)"
+        )
         t0 = time.time()
         try:
             _run_federation(config)
@@ -123,8 +155,14 @@ def run_accuracy(out: Path, selected: list[tuple[Experiment, Cell]], settings: S
         log(f"  done in {time.time() - t0:.0f} s")
 
 
-def _run_sequential(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], configs: dict[str, RunConfig],
-                    out: Path, settings: Settings, log: Callable[[str], Any]) -> dict[str, int]:
+def _run_sequential(
+    experiments: list[Experiment],
+    selected: list[tuple[Experiment, Cell]],
+    configs: dict[str, RunConfig],
+    out: Path,
+    settings: Settings,
+    log: Callable[[str], Any],
+) -> dict[str, int]:
     """The cells one after another in this process."""
     from ..pipeline import run_attack
 
@@ -160,8 +198,15 @@ def _run_sequential(experiments: list[Experiment], selected: list[tuple[Experime
     return counts
 
 
-def _run_on_ray(experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], configs: dict[str, RunConfig],
-                out: Path, settings: Settings, ray: RayOptions, log: Callable[[str], Any]) -> dict[str, int]:
+def _run_on_ray(
+    experiments: list[Experiment],
+    selected: list[tuple[Experiment, Cell]],
+    configs: dict[str, RunConfig],
+    out: Path,
+    settings: Settings,
+    ray: RayOptions,
+    log: Callable[[str], Any],
+) -> dict[str, int]:
     """The unfinished cells as Ray tasks. Federated victims are captured first, here on the driver:
     Flower's simulation starts and stops a Ray of its own, so it cannot run beside ours or in a task."""
     todo = []
@@ -206,8 +251,11 @@ def run_experiments(
         settings = replace(settings, federation_dir=str(out / "federations"))
     selected = select_cells(experiments, settings)
     if not selected:
-        raise ExperimentError("no cell matches --cells " + " ".join(settings.cells) if settings.cells else
-                              "the experiments hold no cell to run (optional cells need --include-optional)")
+        raise ExperimentError(
+            "no cell matches --cells " + " ".join(settings.cells)
+            if settings.cells
+            else "the experiments hold no cell to run (optional cells need --include-optional)"
+        )
     configs = {cell.key: build_cell_config(exp, cell, settings) for exp, cell in selected}  # validate all first
     for _, cell in selected:
         run_dir = cell_dir(out, cell)
@@ -216,12 +264,15 @@ def run_experiments(
             if diff:
                 raise ExperimentError(
                     f"{run_dir} holds a run with other settings ({'; '.join(diff[:3])}); use another --out or "
-                    f"remove that folder")
+                    f"remove that folder"
+                )
     if ray is not None:
         ray.check()
         if settings.device not in ("auto", "cpu") and ray.gpus_per_task == 0:
-            raise cluster.ClusterError(f"--device {settings.device} on Ray needs a GPU per task: set --ray-gpus-per-task "
-                                       f"(e.g. 0.25 to share one GPU among four cells)")
+            raise cluster.ClusterError(
+                f"--device {settings.device} on Ray needs a GPU per task: set --ray-gpus-per-task "
+                f"(e.g. 0.25 to share one GPU among four cells)"
+            )
         cluster.check_address(ray)  # an address nothing listens at fails before any work
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -24,10 +24,32 @@ from fedsim.task import local_plan
 
 from ..config import ConfigError, RunConfig, parse_config
 
-EXPERIMENT_KEYS = {"name", "title", "source", "victims", "attack_overrides", "metrics", "accuracy", "figures", "cells",
-                   "grids"}
-CELL_KEYS = {"id", "model", "dataset", "p", "victim_batch_size", "attacks", "overrides", "model_options", "victims", "optional", "paper",
-             "federation"}
+EXPERIMENT_KEYS = {
+    "name",
+    "title",
+    "source",
+    "victims",
+    "attack_overrides",
+    "metrics",
+    "accuracy",
+    "figures",
+    "cells",
+    "grids",
+}
+CELL_KEYS = {
+    "id",
+    "model",
+    "dataset",
+    "p",
+    "victim_batch_size",
+    "attacks",
+    "overrides",
+    "model_options",
+    "victims",
+    "optional",
+    "paper",
+    "federation",
+}
 # Set by the cell itself, so not in its ``federation`` settings.
 _FEDERATION_FIXED = {"model", "dataset", "p", "model-options", "run-dir", "data-root"}
 METRICS = {"ssim", "mmd"}  # the paper's per-cell metrics we compare; ssim in the paper's space
@@ -86,8 +108,10 @@ class Cell:
         r = self.local_round
         if r is None:
             return None
-        return (f"N={self.victim_batch_size} b={r.get('batch_size', DEFAULTS['batch-size'])} "
-                f"E={r.get('local_epochs', DEFAULTS['local-epochs'])} {self.optimizer} lr={r.get('lr', DEFAULTS['lr'])}")
+        return (
+            f"N={self.victim_batch_size} b={r.get('batch_size', DEFAULTS['batch-size'])} "
+            f"E={r.get('local_epochs', DEFAULTS['local-epochs'])} {self.optimizer} lr={r.get('lr', DEFAULTS['lr'])}"
+        )
 
     def label(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in {**self.federation, **self.overrides}.items())
@@ -204,12 +228,16 @@ def _text(value: Any, spec: str = "") -> str:
 def _format_id(pattern: str, cell: dict[str, Any], labels: dict[str, Any], where: str) -> str:
     def one(m: re.Match[str]) -> str:
         value = _value(cell, labels, m.group(1))
-        _need(value is not _MISSING, where, f"id pattern {pattern!r}: {{{m.group(1)}}} is neither an axis nor a field "
-                                            f"the cells set")
+        _need(
+            value is not _MISSING,
+            where,
+            f"id pattern {pattern!r}: {{{m.group(1)}}} is neither an axis nor a field the cells set",
+        )
         try:
             return _text(value, m.group(2) or "")
         except (TypeError, ValueError) as err:
             raise ExperimentError(f"{where}: id pattern {pattern!r}: {err}") from None
+
     return _PLACEHOLDER.sub(one, pattern)
 
 
@@ -250,8 +278,11 @@ def expand_grid(grid: Any, where: str = "grid") -> list[tuple[str, dict[str, Any
     unknown = sorted(set(map(str, grid)) - GRID_KEYS)
     _need(not unknown, where, f"unknown key(s) {unknown}; allowed: {sorted(GRID_KEYS)}")
     pattern = grid.get("id", DEFAULT_ID)
-    _need(isinstance(pattern, str) and pattern.strip(), where,
-          f"id must be a pattern such as '{{model}}-{{dataset}}-p{{p}}', got {pattern!r}")
+    _need(
+        isinstance(pattern, str) and pattern.strip(),
+        where,
+        f"id must be a pattern such as '{{model}}-{{dataset}}-p{{p}}', got {pattern!r}",
+    )
     template = _partial(grid.get("cell"), f"{where}: cell")
     axes = grid.get("axes")
     _need(isinstance(axes, dict) and axes, where, "axes must be a non-empty mapping of axis names to their values")
@@ -260,16 +291,21 @@ def expand_grid(grid: Any, where: str = "grid") -> list[tuple[str, dict[str, Any
         aw = f"{where}: axes.{name}"
         if isinstance(values, list):
             _need(bool(values), aw, "must not be empty")
-            _need(_is_field(name), aw, f"a list axis is named after the cell field it sets "
-                                       f"({sorted(CELL_KEYS - {'id'})}, or a path such as overrides.lambda_mask)")
+            _need(
+                _is_field(name),
+                aw,
+                f"a list axis is named after the cell field it sets "
+                f"({sorted(CELL_KEYS - {'id'})}, or a path such as overrides.lambda_mask)",
+            )
             choices.append([(v, _nested(name, v)) for v in values])
         elif isinstance(values, dict):
             _need(bool(values), aw, "must not be empty")
             _need(not _is_field(name), aw, "a named axis (names -> cell fields) must not be called like a cell field")
             choices.append([(label, _partial(part, f"{aw}.{label}")) for label, part in values.items()])
         else:
-            raise ExperimentError(f"{aw}: must be a list of values or a mapping of names to cell fields, "
-                                  f"got {values!r}")
+            raise ExperimentError(
+                f"{aw}: must be a list of values or a mapping of names to cell fields, got {values!r}"
+            )
     exceptions = grid.get("exceptions") or []
     _need(isinstance(exceptions, list), where, "exceptions must be a list of {where, set} or {where, drop: true}")
     for j, exc in enumerate(exceptions):
@@ -278,11 +314,15 @@ def expand_grid(grid: Any, where: str = "grid") -> list[tuple[str, dict[str, Any
         unknown = sorted(set(map(str, exc)) - EXCEPTION_KEYS)
         _need(not unknown, ew, f"unknown key(s) {unknown}; allowed: {sorted(EXCEPTION_KEYS)}")
         cond = exc.get("where")
-        _need(isinstance(cond, dict) and cond, ew, "needs where: a mapping of axis names or cell fields to the values "
-                                                   "they match")
+        _need(
+            isinstance(cond, dict) and cond,
+            ew,
+            "needs where: a mapping of axis names or cell fields to the values they match",
+        )
         for key in cond:
-            _need(key == "id" or key in axes or _is_field(key), ew,
-                  f"where.{key} is neither an axis, a cell field nor id")
+            _need(
+                key == "id" or key in axes or _is_field(key), ew, f"where.{key} is neither an axis, a cell field nor id"
+            )
         _need(exc.get("drop", True) is True, ew, f"drop must be true, got {exc.get('drop')!r}")
         _need(("set" in exc) != ("drop" in exc), ew, "needs either set: (cell fields) or drop: true")
         if "set" in exc:
@@ -299,8 +339,9 @@ def expand_grid(grid: Any, where: str = "grid") -> list[tuple[str, dict[str, Any
         cid = _format_id(pattern, point, labels, where)
         drop = False
         for j, exc in enumerate(exceptions):
-            if all(_matches(want, cid if key == "id" else _value(point, labels, key))
-                   for key, want in exc["where"].items()):
+            if all(
+                _matches(want, cid if key == "id" else _value(point, labels, key)) for key, want in exc["where"].items()
+            ):
                 hits[j] += 1
                 drop = drop or bool(exc.get("drop"))
                 _merge(cell, exc.get("set") or {})
@@ -362,8 +403,11 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
         _need(isinstance(data.get(key) or {}, dict), where, f"{key} must be a mapping")
     figures = list(data.get("figures") or [])
     for fig in figures:
-        _need(isinstance(fig, dict) and {"name", "metric", "x", "series"} <= set(fig) and set(fig) <= FIGURE_KEYS,
-              where, f"each figure needs name, metric, x, series (optional panel, attack); got {fig}")
+        _need(
+            isinstance(fig, dict) and {"name", "metric", "x", "series"} <= set(fig) and set(fig) <= FIGURE_KEYS,
+            where,
+            f"each figure needs name, metric, x, series (optional panel, attack); got {fig}",
+        )
     accuracy = data.get("accuracy")
     _need(accuracy is None or isinstance(accuracy, dict), where, "accuracy must be a mapping")
     cells, seen = [], set()
@@ -376,11 +420,17 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
         p = raw["p"]
         _need(isinstance(p, (int, float)) and not isinstance(p, bool), cw, f"p must be a number, got {p!r}")
         b = raw.get("victim_batch_size", 1)
-        _need(isinstance(b, int) and not isinstance(b, bool) and b > 0, cw,
-              f"victim_batch_size must be a positive integer, got {b!r}")
+        _need(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0,
+            cw,
+            f"victim_batch_size must be a positive integer, got {b!r}",
+        )
         attacks = raw["attacks"]
-        _need(isinstance(attacks, list) and attacks and all(isinstance(a, str) for a in attacks), cw,
-              "attacks must be a non-empty list of attack names")
+        _need(
+            isinstance(attacks, list) and attacks and all(isinstance(a, str) for a in attacks),
+            cw,
+            "attacks must be a non-empty list of attack names",
+        )
         cid = str(raw.get("id") or f"{raw['model']}-{raw['dataset']}-p{p:g}-B{b}")
         _need(all(c.isalnum() or c in "-_.+" for c in cid), cw, f"id {cid!r} may hold only letters, digits and -_.+")
         _need(cid not in seen, cw, f"duplicate id {cid!r}")
@@ -391,8 +441,11 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
             if key == "accuracy":
                 _need(value is None or isinstance(value, (int, float)), cw, "paper.accuracy must be a number or null")
                 continue
-            _need(isinstance(value, dict) and set(value) <= METRICS, cw,
-                  f"paper.{key} must map metrics {sorted(METRICS)} to values (null when unknown)")
+            _need(
+                isinstance(value, dict) and set(value) <= METRICS,
+                cw,
+                f"paper.{key} must map metrics {sorted(METRICS)} to values (null when unknown)",
+            )
         for key in ("overrides", "model_options", "victims", "federation"):
             _need(isinstance(raw.get(key) or {}, dict), cw, f"{key} must be a mapping")
         federation = dict(raw.get("federation") or {})
@@ -402,11 +455,35 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
             resolve_config(to_run_config(federation))
         except RunConfigError as err:
             raise ExperimentError(f"{cw}: federation: {err}") from None
-        cells.append(Cell(name, cid, str(raw["model"]), str(raw["dataset"]), float(p), int(b), list(attacks),
-                          dict(raw.get("overrides") or {}), dict(raw.get("model_options") or {}),
-                          dict(raw.get("victims") or {}), bool(raw.get("optional", False)), dict(paper), federation))
-    return Experiment(name, str(data.get("title") or name), str(data.get("source") or ""), dict(data.get("victims") or {}),
-                      dict(data.get("attack_overrides") or {}), metrics, accuracy, figures, cells, path)
+        cells.append(
+            Cell(
+                name,
+                cid,
+                str(raw["model"]),
+                str(raw["dataset"]),
+                float(p),
+                int(b),
+                list(attacks),
+                dict(raw.get("overrides") or {}),
+                dict(raw.get("model_options") or {}),
+                dict(raw.get("victims") or {}),
+                bool(raw.get("optional", False)),
+                dict(paper),
+                federation,
+            )
+        )
+    return Experiment(
+        name,
+        str(data.get("title") or name),
+        str(data.get("source") or ""),
+        dict(data.get("victims") or {}),
+        dict(data.get("attack_overrides") or {}),
+        metrics,
+        accuracy,
+        figures,
+        cells,
+        path,
+    )
 
 
 def _resolve_victim_file(dataset: str, data_root: str) -> Path:
@@ -433,14 +510,25 @@ def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, An
         victims.pop("file", None)
     count = settings.victims if settings.victims is not None else int(victims.get("count", 128))
     victims["count"] = max(cell.B, math.ceil(count / cell.B) * cell.B)
-    victims.update(model=cell.model, dataset=cell.dataset, p=cell.p, victim_batch_size=cell.B,
-                   model_options=dict(cell.model_options))
+    victims.update(
+        model=cell.model,
+        dataset=cell.dataset,
+        p=cell.p,
+        victim_batch_size=cell.B,
+        model_options=dict(cell.model_options),
+    )
     overrides = dict(exp.attack_overrides)
     overrides.update(cell.overrides)
     if settings.iterations is not None:
         overrides["max_iterations"] = settings.iterations
-    return {"victims": victims, "attacks": list(cell.attacks), "attack_overrides": overrides,
-            "device": settings.device, "lpips": settings.lpips, "seed": settings.seed}
+    return {
+        "victims": victims,
+        "attacks": list(cell.attacks),
+        "attack_overrides": overrides,
+        "device": settings.device,
+        "lpips": settings.lpips,
+        "seed": settings.seed,
+    }
 
 
 def build_cell_config(exp: Experiment, cell: Cell, settings: Settings) -> RunConfig:

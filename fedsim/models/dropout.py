@@ -67,9 +67,7 @@ class MaskedDropout(nn.Module):
         if self.mask is None:
             raise RuntimeError(f"dropout layer in {mode.value} mode has no mask set")
         if self.mask.shape != x.shape:
-            raise ValueError(
-                f"dropout mask shape {tuple(self.mask.shape)} does not match activation {tuple(x.shape)}"
-            )
+            raise ValueError(f"dropout mask shape {tuple(self.mask.shape)} does not match activation {tuple(x.shape)}")
         return x * self.mask * scale
 
 

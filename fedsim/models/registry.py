@@ -100,19 +100,42 @@ class ModelFamily:
 MODELS: dict[str, ModelFamily] = {
     f.name: f
     for f in (
-        ModelFamily("mlp", lambda spec, c, size, classes, opts: MLP(c * size * size, classes, spec.p, **opts),
-                    frozenset({"bias", "width", "depth"})),
-        ModelFamily("vit", lambda spec, c, size, classes, opts: ViT(image_size=size, channels=c, num_classes=classes,
-                                                                    p=spec.p, **opts),
-                    frozenset({"patch_size", "dim", "depth", "heads", "dim_head", "mlp_dim"}), check=_check_vit,
-                    group_caps={"cpu": 16, "gpu": 128}),
-        ModelFamily("vit_b16", lambda spec, c, size, classes, opts: ViT(image_size=size, channels=c,
-                                                                        num_classes=classes, p=spec.p, **VIT_B16),
-                    check=_check_vit_b16, group_caps={"cpu": 1, "gpu": 1}),
-        ModelFamily("lenet", lambda spec, c, size, classes, opts: LeNet(c, size, classes, spec.p),
-                    three_channel=True, tv_weight=1e-2),
-        ModelFamily("resnet18", lambda spec, c, size, classes, opts: build_resnet18(classes, spec.p, **opts),
-                    frozenset({"norm"}), three_channel=True, tv_weight=1e-2, group_caps={"cpu": 16, "gpu": 64}),
+        ModelFamily(
+            "mlp",
+            lambda spec, c, size, classes, opts: MLP(c * size * size, classes, spec.p, **opts),
+            frozenset({"bias", "width", "depth"}),
+        ),
+        ModelFamily(
+            "vit",
+            lambda spec, c, size, classes, opts: ViT(
+                image_size=size, channels=c, num_classes=classes, p=spec.p, **opts
+            ),
+            frozenset({"patch_size", "dim", "depth", "heads", "dim_head", "mlp_dim"}),
+            check=_check_vit,
+            group_caps={"cpu": 16, "gpu": 128},
+        ),
+        ModelFamily(
+            "vit_b16",
+            lambda spec, c, size, classes, opts: ViT(
+                image_size=size, channels=c, num_classes=classes, p=spec.p, **VIT_B16
+            ),
+            check=_check_vit_b16,
+            group_caps={"cpu": 1, "gpu": 1},
+        ),
+        ModelFamily(
+            "lenet",
+            lambda spec, c, size, classes, opts: LeNet(c, size, classes, spec.p),
+            three_channel=True,
+            tv_weight=1e-2,
+        ),
+        ModelFamily(
+            "resnet18",
+            lambda spec, c, size, classes, opts: build_resnet18(classes, spec.p, **opts),
+            frozenset({"norm"}),
+            three_channel=True,
+            tv_weight=1e-2,
+            group_caps={"cpu": 16, "gpu": 64},
+        ),
     )
 }
 
