@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	-$(BIN)/python -m pip install --quiet --no-deps mlxtend==0.25.0 foolbox==3.3.4
 	touch $(STAMP)
 
+# Style first (seconds): ruff's lint and format check over the repository, notebooks included.
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 demo: setup

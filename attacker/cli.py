@@ -135,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="FILTER",
-        help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, or else a substring",
+        help="run only cells whose '<experiment>-<cell>' or '<cell>' id matches: a glob, an exact id, "
+        "or else a substring",
     )
     exp.add_argument("--include-optional", action="store_true", help="also run optional cells (ViT-B/16, MLP in fig5c)")
     exp.add_argument(

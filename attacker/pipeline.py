@@ -196,7 +196,8 @@ def run_attack(
     what = "victim batches" if jobs[0].plan is None else f"client updates of {len(jobs[0].steps)} local steps"
     log(
         f"{len(all_jobs)} victim jobs: {len(jobs)} {what} x {len(attack_cfgs)} attacks "
-        f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, B={all_jobs[0].batch_size}"
+        f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, "
+        f"B={all_jobs[0].batch_size}"
     )
     attack_started = time.time()
     results: list[JobResult] = run_jobs(

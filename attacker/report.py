@@ -11,17 +11,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import torch
+from matplotlib.figure import Figure
+from safetensors.torch import save as save_safetensors
 
-matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import save as save_safetensors  # noqa: E402
+from fedsim.atomic import atomic_write  # noqa: F401 - pipeline, story and the experiments write through it
+from fedsim.data import denormalize, get_spec
 
-from fedsim.atomic import atomic_write  # noqa: E402,F401 - pipeline, story and the experiments write through it
-from fedsim.data import denormalize, get_spec  # noqa: E402
-
-from .jobs import JobResult, Oracle, VictimJob  # noqa: E402
+from .jobs import JobResult, Oracle, VictimJob
 
 SUMMARY_KEYS = (
     "ssim_paper",
@@ -44,10 +41,12 @@ def _captured(defense: str) -> str:
 
 
 def figure_png(fig, *, trim: bool = True) -> bytes:
-    """A matplotlib figure as PNG bytes (110 dpi), closing it; ``trim`` crops the empty margin."""
+    """A matplotlib figure as PNG bytes (110 dpi); ``trim`` crops the empty margin.
+
+    Figures are built as ``matplotlib.figure.Figure`` objects, not through pyplot: no backend is chosen
+    or switched (a notebook keeps its own), no display is needed, and nothing global holds them."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight" if trim else None)
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -100,7 +99,10 @@ def summarize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_table(summary: list[dict[str, Any]]) -> str:
     """Markdown table of the summary (SSIM in both spaces, labelled)."""
-    head = "| attack | model | data | p | B | victims | SSIM (paper space) | SSIM ([0,1]) | PSNR (paper) | LPIPS | MMD | TRD | optimized values |"
+    head = (
+        "| attack | model | data | p | B | victims | SSIM (paper space) | SSIM ([0,1]) | PSNR (paper) | LPIPS "
+        "| MMD | TRD | optimized values |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(entry: dict, key: str, digits: int = 3) -> str:
@@ -134,7 +136,8 @@ def image_grid(
     rows = (["original"] if originals else []) + list(recons)
     per_victim = jobs[0].batch_size
     cols = len(victims) * per_victim
-    fig, axes = plt.subplots(len(rows), cols, figsize=(1.3 * cols, 1.4 * len(rows)), squeeze=False)
+    fig = Figure(figsize=(1.3 * cols, 1.4 * len(rows)))
+    axes = fig.subplots(len(rows), cols, squeeze=False)
     for r, row in enumerate(rows):
         for v, victim in enumerate(victims):
             batch = originals.get(victim) if row == "original" else recons[row].get(victim)
@@ -152,7 +155,8 @@ def image_grid(
 
 
 def loss_plot(results: list[JobResult]) -> bytes:
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     colors: dict[str, Any] = {}
     for res in results:
         if not res.losses:

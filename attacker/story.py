@@ -116,7 +116,8 @@ def write_story_report(out: Path, rounds: list[dict[str, str]], result: dict[str
     attack_report = (out / "attack" / "report.md").read_text()
     table = attack_report[attack_report.index("| attack") : attack_report.index("![")].strip()
     acc = "\n".join(
-        f"| {r['round']} | {100 * float(r['accuracy']):.2f} | {r['num_replies']} | {'yes' if r.get('captured') == '1' else ''} |"
+        f"| {r['round']} | {100 * float(r['accuracy']):.2f} | {r['num_replies']} | "
+        f"{'yes' if r.get('captured') == '1' else ''} |"
         for r in rounds
     )
     fed = json.loads((out / "federated" / "config.json").read_text())

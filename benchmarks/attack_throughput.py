@@ -14,10 +14,10 @@ Absolute figures drift by tens of percent between runs on shared machines; the r
 quote. The baseline, dense and factored paths are timed in turns, and each figure is the best of a
 few short repeats (other load only adds time); the baseline's is the best over the model's block,
 which errs on its side. Prints figures; asserts nothing. FLOPs per iteration are counted by torch's
-FlopCounterMode on one iteration of each setting. Peak memory: the process's peak RSS during the setting (Linux; reset before each
-setting) on the CPU, torch.cuda.max_memory_allocated on a GPU. The one-off factoring of the targets
-(once per group of jobs, before the first iteration) is printed beside each factored row, not
-counted in its iterations.
+FlopCounterMode on one iteration of each setting. Peak memory: the process's peak RSS during the
+setting (Linux; reset before each setting) on the CPU, torch.cuda.max_memory_allocated on a GPU.
+The one-off factoring of the targets (once per group of jobs, before the first iteration) is
+printed beside each factored row, not counted in its iterations.
 """
 
 from __future__ import annotations
@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     peak = gemm_peak(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(
-        f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s ({gemm_size(device)}^3, best of 5, measured now); "
+        f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s ({gemm_size(device)}^3, "
+        "best of 5, measured now); "
         f"B = {args.batch_size}, DIA, best of {args.repeats} x {args.iterations} timed iterations per setting"
     )
     print(

@@ -334,7 +334,8 @@ def _check_against_model(capture: Capture) -> None:
         for (name, param), grad in zip(model.named_parameters(), capture.gradient):
             if tuple(param.shape) != tuple(grad.shape):
                 raise CaptureError(
-                    f"capture {capture.path}: gradient of {name} has shape {tuple(grad.shape)}, model has {tuple(param.shape)}"
+                    f"capture {capture.path}: gradient of {name} has shape {tuple(grad.shape)}, "
+                    f"model has {tuple(param.shape)}"
                 )
 
 

@@ -259,12 +259,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _plot_sweep(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no backend to choose, no display needed
 
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.subplots()
     ps = [r["p"] for r in rows]
     ax.plot(ps, [100 * r["final_accuracy"] for r in rows], "o-", label="final")
     ax.plot(ps, [100 * r["best_accuracy"] for r in rows], "s--", label="best", alpha=0.7)
@@ -275,7 +273,6 @@ def _plot_sweep(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def cmd_captures(args: argparse.Namespace) -> int:

@@ -112,8 +112,8 @@ accuracy: {paper_rounds: 300, run_config: {num-clients: 2}}
 figures:
 - {name: ssim, metric: ssim_paper, x: p, series: attack}
 cells:
-- {id: a, model: mlp, dataset: mnist, p: 0.25, victim_batch_size: 1, attacks: [ig_eval, dia], model_options: {width: 32},
-   paper: {accuracy: 98.28, ig_eval: {ssim: 0.79}, dia: {ssim: 1.0, mmd: 0.01}}}
+- {id: a, model: mlp, dataset: mnist, p: 0.25, victim_batch_size: 1, attacks: [ig_eval, dia],
+   model_options: {width: 32}, paper: {accuracy: 98.28, ig_eval: {ssim: 0.79}, dia: {ssim: 1.0, mmd: 0.01}}}
 - {id: b, model: mlp, dataset: mnist, p: 0.5, victim_batch_size: 1, attacks: [dia], model_options: {width: 32},
    paper: {accuracy: null, dia: {ssim: 0.99, mmd: null}}}
 """
@@ -260,7 +260,8 @@ title: Four tiny cells
 cells:
 - {id: a, model: mlp, dataset: mnist, p: 0.25, attacks: [dia], model_options: {width: 32}, paper: {dia: {ssim: 1.0}}}
 - {id: b, model: mlp, dataset: mnist, p: 0.5, attacks: [dia], model_options: {width: 32}, paper: {dia: {ssim: 0.99}}}
-- {id: c, model: mlp, dataset: mnist, p: 0.75, attacks: [ig_eval], model_options: {width: 32}, paper: {ig_eval: {ssim: 0.5}}}
+- {id: c, model: mlp, dataset: mnist, p: 0.75, attacks: [ig_eval], model_options: {width: 32},
+   paper: {ig_eval: {ssim: 0.5}}}
 - {id: d, model: mlp, dataset: mnist, p: 0.25, victim_batch_size: 2, attacks: [dia], model_options: {width: 32},
    paper: {dia: {ssim: 0.9}}}
 """

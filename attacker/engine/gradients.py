@@ -174,7 +174,8 @@ class PerJobGradients:
                 continue
             if not isinstance(module, SUPPORTED) or (isinstance(module, nn.Conv2d) and module.groups != 1):
                 raise UnsupportedModelError(
-                    f"layer {mname or type(module).__name__} ({type(module).__name__}) is not supported for batched jobs"
+                    f"layer {mname or type(module).__name__} ({type(module).__name__}) is not supported for "
+                    "batched jobs"
                 )
             self.layers.append((module, {k: index[id(p)] for k, p in own.items()}))
             covered.update(id(p) for p in own.values())

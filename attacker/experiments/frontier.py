@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from fedsim.atomic import atomic_write
 from fedsim.defenses import DEFENSES, privacy_spent
 from fedsim.run_config import resolve_config, to_run_config
@@ -68,7 +70,6 @@ def frontier_figure(rows: list[dict[str, Any]], path: Path, attack: str = "dia")
     """Accuracy (x) against the attack's SSIM (y), a panel per model and dataset. Each defense family
     is one colour; its curve at one dropout rate joins the undefended point to its three strengths.
     Dropout alone (no defense, p rising) is the black curve."""
-    import matplotlib.pyplot as plt  # the Agg backend: attacker.report selected it
 
     rows = [
         r
@@ -82,7 +83,8 @@ def frontier_figure(rows: list[dict[str, Any]], path: Path, attack: str = "dia")
     if not panels:
         return False
     markers = {0.0: "o", 0.25: "s", 0.5: "^", 0.75: "D"}
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.4), squeeze=False)
+    fig = Figure(figsize=(5.6 * len(panels), 4.4))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (model, dataset) in zip(axes[0], panels):
         prow = [r for r in rows if (r["model"], r["dataset"]) == (model, dataset)]
         base = {r["p"]: r for r in prow if r["defense"] == "none"}

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from fedsim.atomic import atomic_write
 
 from ..report import SUMMARY_KEYS, csv_text, figure_png, fmt_mean_std
@@ -116,7 +118,6 @@ def collect_rows(
 
 
 def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> bool:
-    import matplotlib.pyplot as plt  # the Agg backend: attacker.report selected it
 
     metric = fig["metric"]
     paper_key = {"ssim_paper": "paper_ssim", "mmd": "paper_mmd"}.get(metric)
@@ -129,7 +130,8 @@ def _figure(exp: Experiment, fig: dict[str, Any], rows: list[dict[str, Any]], pa
     panels = sorted({tuple(r[k] for k in panel_keys) for r in rows})
     if not rows or not panels:
         return False
-    fig_, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    fig_ = Figure(figsize=(4.2 * len(panels), 3.4))
+    axes = fig_.subplots(1, len(panels), squeeze=False)
     x_key, s_key = fig["x"], fig["series"]
     for ax, panel in zip(axes[0], panels):
         prow = [r for r in rows if tuple(r[k] for k in panel_keys) == panel]
@@ -183,7 +185,8 @@ def write_report(
         "the paper's numbers live in, so compare it with the *paper* column. *SSIM [0,1]* is the standard space "
         "(images mapped back to [0,1], data_range 1); it runs lower. For B > 1 reconstructions are matched to "
         "originals (Hungarian assignment); `results.csv` also holds the unmatched SSIM. Values are mean ± std over "
-        "victim jobs (the *victims* column: jobs × B; a job's value is the mean over its B images); the paper used 128 victims (Table 4: 10) and up to 20,000 iterations.\n",
+        "victim jobs (the *victims* column: jobs × B; a job's value is the mean over its B images); "
+        "the paper used 128 victims (Table 4: 10) and up to 20,000 iterations.\n",
     ]
     for exp in experiments:
         erows = [r for r in rows if r["experiment"] == exp.name]
