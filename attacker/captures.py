@@ -15,7 +15,7 @@ import torch
 
 from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
 from fedsim.client_step import LocalPlan, LocalPlanError
-from fedsim.defenses import get_defense
+from fedsim.defenses import Defense, get_defense
 from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config
 from fedsim.task import local_plan
 
@@ -107,11 +107,6 @@ def jobs_from_captures(
                 break
         else:
             weight_sets.append(weights)
-        if plan is None:
-            shared = [g.float() for g in capture.gradient]  # type: ignore[union-attr]
-        else:
-            shared = [capture.update[n].float() for n in capture.param_names]  # type: ignore[index]
-        job_id = f"r{capture.round:04d}_c{capture.client:03d}"
         try:
             defense = get_defense(capture.defense)
         except ValueError as err:
@@ -119,61 +114,8 @@ def jobs_from_captures(
                 raise CaptureError(f"capture {path}: {err}") from None
             skipped.append(f"{path.name}: {err}")
             continue
-        # What the capture holds under its defense, and the attacker's standard adaptation to it
-        # (clipping: none, the cosine distance ignores the scale; noise: attacked as is; pruning:
-        # match only the surviving entries). Named in the attack report (attacker.scoring).
-        meta = {
-            "round": capture.round,
-            "client": capture.client,
-            "capture": str(path),
-            "defense": defense.name,
-            "adaptation": defense.adaptation,
-        }
-        count = capture.label_count
-        if label_policy == "known" and capture.labels is not None:
-            labels = capture.labels.long()
-            if plan is not None and capture.step_labels is not None and capture.step_labels.numel() >= count:
-                # The replay runs its steps in order over the dummies, so dummy i takes the label of the
-                # image the client used i-th (its first epoch); for in-order batches that is the same.
-                labels = capture.step_labels[:count].long()
-            job = VictimJob(
-                job_id,
-                capture.spec,
-                weights,
-                shared,
-                labels,
-                "known",
-                meta,
-                plan,
-                match_support=defense.match_support,
-                step_labels=capture.step_labels,
-            )
-        else:
-            job = VictimJob(
-                job_id,
-                capture.spec,
-                weights,
-                shared,
-                torch.zeros(count, dtype=torch.long),
-                "recovered",
-                meta,
-                plan,
-                match_support=defense.match_support,
-            )
-            # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
-            job.labels = recover_labels(model_from_job(job), shared, count)
-        oracle = None
-        if run_dir is not None and (Path(run_dir) / "oracle").is_dir():
-            try:
-                record = find_oracle(run_dir, capture)
-                images = record.images.float()
-                if plan is not None and record.batches:
-                    # the replay's dummy i is the image the client used i-th: the truth in that order
-                    used = [i for batch in record.batches for i in batch][: images.shape[0]]
-                    images = images[torch.tensor(used)]
-                oracle = Oracle(images, tuple(m.float() for m in record.masks))
-            except CaptureError as err:
-                log.warning("no oracle for %s: %s", job_id, err)
+        job = _job(capture, path, weights, plan, defense, label_policy)
+        oracle = _oracle(run_dir, capture, plan, job.job_id)
         jobs.append(job)
         oracles.append(oracle)
     return jobs, oracles, skipped
@@ -184,3 +126,79 @@ def capture_paths(run_dir: Path | str) -> list[Path]:
     if not paths:
         raise CaptureError(f"no captures found under {run_dir} (expected a run folder with captures/)")
     return paths
+
+
+def _job(
+    capture: Capture,
+    path: Path,
+    weights: dict[str, torch.Tensor],
+    plan: LocalPlan | None,
+    defense: Defense,
+    label_policy: str,
+) -> VictimJob:
+    """The victim job of one capture: what the server saw, the replay plan of an update, the labels."""
+    if plan is None:
+        shared = [g.float() for g in capture.gradient]  # type: ignore[union-attr]
+    else:
+        shared = [capture.update[n].float() for n in capture.param_names]  # type: ignore[index]
+    job_id = f"r{capture.round:04d}_c{capture.client:03d}"
+    # What the capture holds under its defense, and the attacker's standard adaptation to it
+    # (clipping: none, the cosine distance ignores the scale; noise: attacked as is; pruning:
+    # match only the surviving entries). Named in the attack report (attacker.scoring).
+    meta = {
+        "round": capture.round,
+        "client": capture.client,
+        "capture": str(path),
+        "defense": defense.name,
+        "adaptation": defense.adaptation,
+    }
+    count = capture.label_count
+    if label_policy == "known" and capture.labels is not None:
+        labels = capture.labels.long()
+        if plan is not None and capture.step_labels is not None and capture.step_labels.numel() >= count:
+            # The replay runs its steps in order over the dummies, so dummy i takes the label of the
+            # image the client used i-th (its first epoch); for in-order batches that is the same.
+            labels = capture.step_labels[:count].long()
+        return VictimJob(
+            job_id,
+            capture.spec,
+            weights,
+            shared,
+            labels,
+            "known",
+            meta,
+            plan,
+            match_support=defense.match_support,
+            step_labels=capture.step_labels,
+        )
+    job = VictimJob(
+        job_id,
+        capture.spec,
+        weights,
+        shared,
+        torch.zeros(count, dtype=torch.long),
+        "recovered",
+        meta,
+        plan,
+        match_support=defense.match_support,
+    )
+    # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
+    job.labels = recover_labels(model_from_job(job), shared, count)
+    return job
+
+
+def _oracle(run_dir: Path | None, capture: Capture, plan: LocalPlan | None, job_id: str) -> Oracle | None:
+    """The ground truth of an audited run's capture (scoring and WIIG only), or None."""
+    if run_dir is None or not (Path(run_dir) / "oracle").is_dir():
+        return None
+    try:
+        record = find_oracle(run_dir, capture)
+    except CaptureError as err:
+        log.warning("no oracle for %s: %s", job_id, err)
+        return None
+    images = record.images.float()
+    if plan is not None and record.batches:
+        # the replay's dummy i is the image the client used i-th: the truth in that order
+        used = [i for batch in record.batches for i in batch][: images.shape[0]]
+        images = images[torch.tensor(used)]
+    return Oracle(images, tuple(m.float() for m in record.masks))

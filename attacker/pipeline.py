@@ -146,24 +146,11 @@ def prepare_run_dir(run_dir: Path) -> bool:
     return False
 
 
-def run_attack(
-    cfg: RunConfig,
-    run_dir: str | Path,
-    *,
-    progress: bool = True,
-    log: Callable[[str], Any] = print,
-    only: list[Path] | None = None,
-) -> dict[str, Any]:
-    """Run every configured attack on every victim and write the run folder. Returns the summary."""
-    run_dir = Path(run_dir)
-    resuming = prepare_run_dir(run_dir)
-    if resuming:
-        log(f"resuming the interrupted run in {run_dir}")
-    started = time.time()
-    jobs, oracles = load_jobs(cfg, log, only)  # before writing anything: bad input leaves no folder
-    # One plain SGD step on all images IS a gradient: the one-step attack, exactly.
-    jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
-    attack_cfgs = cfg.attack_configs()
+def _pair(
+    jobs: list[VictimJob], oracles: list[Oracle | None], attack_cfgs: list[AttackConfig]
+) -> tuple[list[VictimJob], list[AttackConfig], list[Oracle | None], list[VictimJob], list[Oracle | None]]:
+    """Every (job, attack) the run optimizes, as the engine takes them (jobs, attacks, the oracles
+    only WIIG may see), and as scoring reads them (each job as the client ran it, its ground truth)."""
     all_jobs: list[VictimJob] = []
     scoring_jobs: list[VictimJob] = []  # as the client ran them (an unknown-order job is scored on N images)
     all_attacks: list[AttackConfig] = []
@@ -187,6 +174,28 @@ def run_attack(
             all_attacks.append(attack)
             all_oracles.append(oracle if attack.receives_oracle else None)  # the threat model (attacks.py)
             scoring_oracles.append(oracle)
+    return all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles
+
+
+def run_attack(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    log: Callable[[str], Any] = print,
+    only: list[Path] | None = None,
+) -> dict[str, Any]:
+    """Run every configured attack on every victim and write the run folder. Returns the summary."""
+    run_dir = Path(run_dir)
+    resuming = prepare_run_dir(run_dir)
+    if resuming:
+        log(f"resuming the interrupted run in {run_dir}")
+    started = time.time()
+    jobs, oracles = load_jobs(cfg, log, only)  # before writing anything: bad input leaves no folder
+    # One plain SGD step on all images IS a gradient: the one-step attack, exactly.
+    jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
+    attack_cfgs = cfg.attack_configs()
+    all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles = _pair(jobs, oracles, attack_cfgs)
     if not all_jobs:
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
     group_cap = _unroll_cap(all_jobs, cfg.max_unroll_gb)

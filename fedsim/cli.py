@@ -151,6 +151,10 @@ def _check_model_and_data(cfg: dict[str, Any]) -> None:
     task.load_split(cfg, train=False)
 
 
+def _number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"  # results.json holds null where there is no number
+
+
 def _rounds_table(results: dict[str, Any], title: str) -> Table:
     table = Table(title=title)
     for col in ("round", "test acc", "test loss", "train loss", "clients", "captured", "elapsed s"):
@@ -159,8 +163,8 @@ def _rounds_table(results: dict[str, Any], title: str) -> Table:
         table.add_row(
             str(row["round"]),
             f"{100 * row['accuracy']:.2f}%",
-            f"{row['loss']:.4f}",
-            f"{row['train_loss']:.4f}",
+            _number(row["loss"]),
+            _number(row["train_loss"]),
             str(row["num_replies"]),
             "yes" if row["captured"] else "",
             f"{row['elapsed_s']:.1f}",

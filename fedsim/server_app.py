@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,20 +38,7 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     n = int(cfg["num-clients"])
     model = task.make_model(cfg)
     sampled = max(1, int(n * float(cfg["fraction-train"])))
-    strategy = CuriousFedAvg(
-        task.model_spec(cfg),
-        capture_rounds=capture_rounds(cfg),
-        capture_kind=cfg["capture-kind"],
-        label_policy=cfg["labels"],
-        defense=cfg["defense"],
-        capture_dir=run_dir / "captures",
-        oracle_dir=run_dir / "oracle",
-        fraction_train=float(cfg["fraction-train"]),
-        fraction_evaluate=float(cfg["fraction-evaluate"]),
-        min_train_nodes=sampled,
-        min_evaluate_nodes=max(1, int(n * float(cfg["fraction-evaluate"]))),
-        min_available_nodes=n,  # else round 1 may sample only the nodes connected so far
-    )
+    strategy = _curious_strategy(cfg, run_dir, n, sampled)
     # The defense's strategy wrapper (central DP), if any, goes around the curious FedAvg: Flower's
     # server-side clipping happens in the wrapper before FedAvg sees the replies, and the noise after
     # FedAvg aggregated them, so the captures hold clipped, un-noised updates (fedsim.defenses).
@@ -104,20 +92,51 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
             str(tmp),
             metadata={"spec": json.dumps(task.model_spec(cfg).to_dict())},
         )
+    rounds_run = rows[-1]["round"] if rows else 0
     summary = {
         "rounds": rows,
         "final_accuracy": rows[-1]["accuracy"] if rows else None,
         "best_accuracy": best["accuracy"],
         "best_round": best["round"],
-        "rounds_run": rows[-1]["round"] if rows else 0,
+        "rounds_run": rounds_run,
         "stopped_early": strategy.stopped,
         "num_captures": len(strategy.capture_paths),
         "failures": strategy.failures,
-        "privacy": defenses.privacy_spent(cfg, rows[-1]["round"] if rows else 0, sampled, n),
+        "privacy": defenses.privacy_spent(cfg, rounds_run, sampled, n),
         "wall_s": round(time.time() - t0, 3),
     }
-    atomic_write(run_dir / "results.json", json.dumps(summary, indent=1))
+    # Standard JSON: a value that is not a number (round 0 has no training loss) is written as null.
+    atomic_write(run_dir / "results.json", json.dumps(_finite(summary), indent=1, allow_nan=False))
     return summary
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None, nested containers included."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _curious_strategy(cfg: Mapping[str, Any], run_dir: Path, n: int, sampled: int) -> CuriousFedAvg:
+    """The honest-but-curious FedAvg of the run config: captures into ``run_dir``, FedAvg's aggregation."""
+    return CuriousFedAvg(
+        task.model_spec(cfg),
+        capture_rounds=capture_rounds(cfg),
+        capture_kind=cfg["capture-kind"],
+        label_policy=cfg["labels"],
+        defense=cfg["defense"],
+        capture_dir=run_dir / "captures",
+        oracle_dir=run_dir / "oracle",
+        fraction_train=float(cfg["fraction-train"]),
+        fraction_evaluate=float(cfg["fraction-evaluate"]),
+        min_train_nodes=sampled,
+        min_evaluate_nodes=max(1, int(n * float(cfg["fraction-evaluate"]))),
+        min_available_nodes=n,  # else round 1 may sample only the nodes connected so far
+    )
 
 
 def make_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:

@@ -193,72 +193,9 @@ def write_report(
         lines.append(f"\n## {exp.title}\n")
         if exp.source:
             lines.append(f"Paper values: {exp.source}.\n")
-        has_mmd = "mmd" in exp.metrics
-        has_acc = exp.accuracy is not None
-        head = ["cell", "model", "data", "p", "B"]
-        if any(r["lambda_mask"] is not None for r in erows):
-            head.append("λ_mask")
-        if any(r["mask_init"] is not None for r in erows):
-            head.append("mask init")
-        if any(r.get("K") is not None for r in erows):
-            head += ["local round", "K"]
+        lines += _table(exp, erows)
         defended = any(r.get("defense") for r in erows)
-        if defended:
-            head += ["defense", "level", "ε (δ), all rounds"]
-        head += ["attack", "victims", "SSIM paper-space (ours)", "SSIM paper", "SSIM [0,1] (ours)"]
-        if defended:
-            head.append("RDLV (ours)")
-        curves = any(r.get("reached_ssim90") is not None for r in erows)
-        if curves:
-            head.append("iterations to SSIM 0.9 (reached)")
-        if has_mmd:
-            head += ["MMD (ours)", "MMD paper"]
-        if has_acc:
-            head += ["acc % final/best (ours)", "acc % paper"]
-        head.append("status")
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for r in erows:
-            cells = [r["cell"], r["model"], r["dataset"], f"{r['p']:g}", str(r["B"])]
-            if "λ_mask" in head:
-                cells.append("–" if r["lambda_mask"] is None else f"{r['lambda_mask']:g}")
-            if "mask init" in head:
-                cells.append(r["mask_init"] or "–")
-            if "K" in head:
-                cells += [r.get("local_round") or "one step", str(r.get("K") or 1)]
-            if defended:
-                cells += [r.get("defense") or "–", level_text(r), epsilon_text(r)]
-            victims = "–" if not r["victims"] else (f"{r['victims']}×{r['B']}" if r["B"] > 1 else str(r["victims"]))
-            cells += [
-                r["attack"],
-                victims,
-                fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
-                fmt_mean_std(r["paper_ssim"], digits=2),
-                fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"]),
-            ]
-            if defended:
-                cells.append(fmt_mean_std(r.get("rdlv_mean"), r.get("rdlv_std"), digits=2))
-            if curves:
-                reached = r.get("reached_ssim90")
-                mean = r.get("iters_to_ssim90_mean")
-                cells.append(
-                    "–"
-                    if reached is None
-                    else f"{mean:.0f} ({reached}/{r['victims'] or '?'})"
-                    if mean is not None
-                    else f"never (0/{r['victims'] or '?'})"
-                )
-            if has_mmd:
-                cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
-            if has_acc:
-                acc = (
-                    "–"
-                    if r.get("accuracy_final") is None
-                    else f"{r['accuracy_final']:.2f} / {r['accuracy_best']:.2f} ({r['fl_rounds']} rounds)"
-                )
-                cells += [acc, fmt_mean_std(r.get("paper_accuracy"), digits=2)]
-            cells.append(r["status"])
-            lines.append("| " + " | ".join(cells) + " |")
+        has_acc = exp.accuracy is not None
         if defended:
             lines.append(
                 f"\nAccuracy: the defended federation's global test accuracy after its {settings.fl_rounds} "
@@ -293,3 +230,76 @@ def write_report(
     path = out / "results.md"
     atomic_write(path, "\n".join(lines) + "\n")
     return path
+
+
+def _table(exp: Experiment, erows: list[dict[str, Any]]) -> list[str]:
+    """An experiment's results table: the columns its rows have (λ_mask, local round, defense, curves,
+    MMD, accuracy) and one line per cell and attack."""
+    table: list[str] = []
+    has_mmd = "mmd" in exp.metrics
+    has_acc = exp.accuracy is not None
+    head = ["cell", "model", "data", "p", "B"]
+    if any(r["lambda_mask"] is not None for r in erows):
+        head.append("λ_mask")
+    if any(r["mask_init"] is not None for r in erows):
+        head.append("mask init")
+    if any(r.get("K") is not None for r in erows):
+        head += ["local round", "K"]
+    defended = any(r.get("defense") for r in erows)
+    if defended:
+        head += ["defense", "level", "ε (δ), all rounds"]
+    head += ["attack", "victims", "SSIM paper-space (ours)", "SSIM paper", "SSIM [0,1] (ours)"]
+    if defended:
+        head.append("RDLV (ours)")
+    curves = any(r.get("reached_ssim90") is not None for r in erows)
+    if curves:
+        head.append("iterations to SSIM 0.9 (reached)")
+    if has_mmd:
+        head += ["MMD (ours)", "MMD paper"]
+    if has_acc:
+        head += ["acc % final/best (ours)", "acc % paper"]
+    head.append("status")
+    table.append("| " + " | ".join(head) + " |")
+    table.append("|" + "---|" * len(head))
+    for r in erows:
+        cells = [r["cell"], r["model"], r["dataset"], f"{r['p']:g}", str(r["B"])]
+        if "λ_mask" in head:
+            cells.append("–" if r["lambda_mask"] is None else f"{r['lambda_mask']:g}")
+        if "mask init" in head:
+            cells.append(r["mask_init"] or "–")
+        if "K" in head:
+            cells += [r.get("local_round") or "one step", str(r.get("K") or 1)]
+        if defended:
+            cells += [r.get("defense") or "–", level_text(r), epsilon_text(r)]
+        victims = "–" if not r["victims"] else (f"{r['victims']}×{r['B']}" if r["B"] > 1 else str(r["victims"]))
+        cells += [
+            r["attack"],
+            victims,
+            fmt_mean_std(r["ssim_paper_mean"], r["ssim_paper_std"]),
+            fmt_mean_std(r["paper_ssim"], digits=2),
+            fmt_mean_std(r["ssim_std_mean"], r["ssim_std_std"]),
+        ]
+        if defended:
+            cells.append(fmt_mean_std(r.get("rdlv_mean"), r.get("rdlv_std"), digits=2))
+        if curves:
+            reached = r.get("reached_ssim90")
+            mean = r.get("iters_to_ssim90_mean")
+            cells.append(
+                "–"
+                if reached is None
+                else f"{mean:.0f} ({reached}/{r['victims'] or '?'})"
+                if mean is not None
+                else f"never (0/{r['victims'] or '?'})"
+            )
+        if has_mmd:
+            cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
+        if has_acc:
+            acc = (
+                "–"
+                if r.get("accuracy_final") is None
+                else f"{r['accuracy_final']:.2f} / {r['accuracy_best']:.2f} ({r['fl_rounds']} rounds)"
+            )
+            cells += [acc, fmt_mean_std(r.get("paper_accuracy"), digits=2)]
+        cells.append(r["status"])
+        table.append("| " + " | ".join(cells) + " |")
+    return table

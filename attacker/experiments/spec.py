@@ -286,47 +286,8 @@ def expand_grid(grid: Any, where: str = "grid") -> list[tuple[str, dict[str, Any
     template = _partial(grid.get("cell"), f"{where}: cell")
     axes = grid.get("axes")
     _need(isinstance(axes, dict) and axes, where, "axes must be a non-empty mapping of axis names to their values")
-    choices = []  # per axis: (name or value, the cell fields it sets)
-    for name, values in axes.items():
-        aw = f"{where}: axes.{name}"
-        if isinstance(values, list):
-            _need(bool(values), aw, "must not be empty")
-            _need(
-                _is_field(name),
-                aw,
-                f"a list axis is named after the cell field it sets "
-                f"({sorted(CELL_KEYS - {'id'})}, or a path such as overrides.lambda_mask)",
-            )
-            choices.append([(v, _nested(name, v)) for v in values])
-        elif isinstance(values, dict):
-            _need(bool(values), aw, "must not be empty")
-            _need(not _is_field(name), aw, "a named axis (names -> cell fields) must not be called like a cell field")
-            choices.append([(label, _partial(part, f"{aw}.{label}")) for label, part in values.items()])
-        else:
-            raise ExperimentError(
-                f"{aw}: must be a list of values or a mapping of names to cell fields, got {values!r}"
-            )
-    exceptions = grid.get("exceptions") or []
-    _need(isinstance(exceptions, list), where, "exceptions must be a list of {where, set} or {where, drop: true}")
-    for j, exc in enumerate(exceptions):
-        ew = f"{where}: exceptions[{j}]"
-        _need(isinstance(exc, dict), ew, "must be a mapping {where, set} or {where, drop: true}")
-        unknown = sorted(set(map(str, exc)) - EXCEPTION_KEYS)
-        _need(not unknown, ew, f"unknown key(s) {unknown}; allowed: {sorted(EXCEPTION_KEYS)}")
-        cond = exc.get("where")
-        _need(
-            isinstance(cond, dict) and cond,
-            ew,
-            "needs where: a mapping of axis names or cell fields to the values they match",
-        )
-        for key in cond:
-            _need(
-                key == "id" or key in axes or _is_field(key), ew, f"where.{key} is neither an axis, a cell field nor id"
-            )
-        _need(exc.get("drop", True) is True, ew, f"drop must be true, got {exc.get('drop')!r}")
-        _need(("set" in exc) != ("drop" in exc), ew, "needs either set: (cell fields) or drop: true")
-        if "set" in exc:
-            _partial(exc["set"], f"{ew}: set", allow_id=True)
+    choices = _axis_choices(axes, where)
+    exceptions = _exceptions(grid.get("exceptions") or [], axes, where)
     paper = grid.get("paper") or {}
     _need(isinstance(paper, dict), where, "paper must be a mapping of cell ids to the paper's values")
     hits, made, out = [0] * len(exceptions), set(), []
@@ -358,6 +319,56 @@ def expand_grid(grid: Any, where: str = "grid") -> list[tuple[str, dict[str, Any
     missing = [str(k) for k in paper if k not in made]
     _need(not missing, f"{where}: paper", f"no cell of the grid has the id(s) {missing}")
     return out
+
+
+def _axis_choices(axes: dict[str, Any], where: str) -> list[list[tuple[Any, dict[str, Any]]]]:
+    """Per axis, its values: (the value or the name, the cell fields it sets)."""
+    choices = []  # per axis: (name or value, the cell fields it sets)
+    for name, values in axes.items():
+        aw = f"{where}: axes.{name}"
+        if isinstance(values, list):
+            _need(bool(values), aw, "must not be empty")
+            _need(
+                _is_field(name),
+                aw,
+                f"a list axis is named after the cell field it sets "
+                f"({sorted(CELL_KEYS - {'id'})}, or a path such as overrides.lambda_mask)",
+            )
+            choices.append([(v, _nested(name, v)) for v in values])
+        elif isinstance(values, dict):
+            _need(bool(values), aw, "must not be empty")
+            _need(not _is_field(name), aw, "a named axis (names -> cell fields) must not be called like a cell field")
+            choices.append([(label, _partial(part, f"{aw}.{label}")) for label, part in values.items()])
+        else:
+            raise ExperimentError(
+                f"{aw}: must be a list of values or a mapping of names to cell fields, got {values!r}"
+            )
+    return choices
+
+
+def _exceptions(exceptions: Any, axes: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A grid's exceptions, checked: each a mapping {where, set} or {where, drop: true}."""
+    _need(isinstance(exceptions, list), where, "exceptions must be a list of {where, set} or {where, drop: true}")
+    for j, exc in enumerate(exceptions):
+        ew = f"{where}: exceptions[{j}]"
+        _need(isinstance(exc, dict), ew, "must be a mapping {where, set} or {where, drop: true}")
+        unknown = sorted(set(map(str, exc)) - EXCEPTION_KEYS)
+        _need(not unknown, ew, f"unknown key(s) {unknown}; allowed: {sorted(EXCEPTION_KEYS)}")
+        cond = exc.get("where")
+        _need(
+            isinstance(cond, dict) and cond,
+            ew,
+            "needs where: a mapping of axis names or cell fields to the values they match",
+        )
+        for key in cond:
+            _need(
+                key == "id" or key in axes or _is_field(key), ew, f"where.{key} is neither an axis, a cell field nor id"
+            )
+        _need(exc.get("drop", True) is True, ew, f"drop must be true, got {exc.get('drop')!r}")
+        _need(("set" in exc) != ("drop" in exc), ew, "needs either set: (cell fields) or drop: true")
+        if "set" in exc:
+            _partial(exc["set"], f"{ew}: set", allow_id=True)
+    return exceptions
 
 
 def _cell_entries(data: dict[str, Any], where: str) -> list[tuple[str, Any]]:
@@ -412,66 +423,10 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
     _need(accuracy is None or isinstance(accuracy, dict), where, "accuracy must be a mapping")
     cells, seen = [], set()
     for cw, raw in _cell_entries(data, where):
-        _need(isinstance(raw, dict), cw, "must be a mapping")
-        unknown = sorted(set(raw) - CELL_KEYS)
-        _need(not unknown, cw, f"unknown key(s) {unknown}; allowed: {sorted(CELL_KEYS)}")
-        for key in ("model", "dataset", "p", "attacks"):
-            _need(key in raw, cw, f"missing {key}")
-        p = raw["p"]
-        _need(isinstance(p, (int, float)) and not isinstance(p, bool), cw, f"p must be a number, got {p!r}")
-        b = raw.get("victim_batch_size", 1)
-        _need(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0,
-            cw,
-            f"victim_batch_size must be a positive integer, got {b!r}",
-        )
-        attacks = raw["attacks"]
-        _need(
-            isinstance(attacks, list) and attacks and all(isinstance(a, str) for a in attacks),
-            cw,
-            "attacks must be a non-empty list of attack names",
-        )
-        cid = str(raw.get("id") or f"{raw['model']}-{raw['dataset']}-p{p:g}-B{b}")
-        _need(all(c.isalnum() or c in "-_.+" for c in cid), cw, f"id {cid!r} may hold only letters, digits and -_.+")
-        _need(cid not in seen, cw, f"duplicate id {cid!r}")
-        seen.add(cid)
-        paper = raw.get("paper") or {}
-        _need(isinstance(paper, dict), cw, "paper must be a mapping")
-        for key, value in paper.items():
-            if key == "accuracy":
-                _need(value is None or isinstance(value, (int, float)), cw, "paper.accuracy must be a number or null")
-                continue
-            _need(
-                isinstance(value, dict) and set(value) <= METRICS,
-                cw,
-                f"paper.{key} must map metrics {sorted(METRICS)} to values (null when unknown)",
-            )
-        for key in ("overrides", "model_options", "victims", "federation"):
-            _need(isinstance(raw.get(key) or {}, dict), cw, f"{key} must be a mapping")
-        federation = dict(raw.get("federation") or {})
-        fixed = sorted(set(to_run_config(federation)) & _FEDERATION_FIXED)
-        _need(not fixed, cw, f"federation must not set {', '.join(fixed)} (the cell sets them)")
-        try:
-            resolve_config(to_run_config(federation))
-        except RunConfigError as err:
-            raise ExperimentError(f"{cw}: federation: {err}") from None
-        cells.append(
-            Cell(
-                name,
-                cid,
-                str(raw["model"]),
-                str(raw["dataset"]),
-                float(p),
-                int(b),
-                list(attacks),
-                dict(raw.get("overrides") or {}),
-                dict(raw.get("model_options") or {}),
-                dict(raw.get("victims") or {}),
-                bool(raw.get("optional", False)),
-                dict(paper),
-                federation,
-            )
-        )
+        cell = _parse_cell(name, cw, raw)
+        _need(cell.id not in seen, cw, f"duplicate id {cell.id!r}")
+        seen.add(cell.id)
+        cells.append(cell)
     return Experiment(
         name,
         str(data.get("title") or name),
@@ -483,6 +438,66 @@ def parse_experiment(data: dict[str, Any], path: Path | None = None) -> Experime
         figures,
         cells,
         path,
+    )
+
+
+def _parse_cell(experiment: str, cw: str, raw: Any) -> Cell:
+    """One cell of an experiment file (explicit, or expanded from a grid), checked."""
+    _need(isinstance(raw, dict), cw, "must be a mapping")
+    unknown = sorted(set(raw) - CELL_KEYS)
+    _need(not unknown, cw, f"unknown key(s) {unknown}; allowed: {sorted(CELL_KEYS)}")
+    for key in ("model", "dataset", "p", "attacks"):
+        _need(key in raw, cw, f"missing {key}")
+    p = raw["p"]
+    _need(isinstance(p, (int, float)) and not isinstance(p, bool), cw, f"p must be a number, got {p!r}")
+    b = raw.get("victim_batch_size", 1)
+    _need(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0,
+        cw,
+        f"victim_batch_size must be a positive integer, got {b!r}",
+    )
+    attacks = raw["attacks"]
+    _need(
+        isinstance(attacks, list) and attacks and all(isinstance(a, str) for a in attacks),
+        cw,
+        "attacks must be a non-empty list of attack names",
+    )
+    cid = str(raw.get("id") or f"{raw['model']}-{raw['dataset']}-p{p:g}-B{b}")
+    _need(all(c.isalnum() or c in "-_.+" for c in cid), cw, f"id {cid!r} may hold only letters, digits and -_.+")
+    paper = raw.get("paper") or {}
+    _need(isinstance(paper, dict), cw, "paper must be a mapping")
+    for key, value in paper.items():
+        if key == "accuracy":
+            _need(value is None or isinstance(value, (int, float)), cw, "paper.accuracy must be a number or null")
+            continue
+        _need(
+            isinstance(value, dict) and set(value) <= METRICS,
+            cw,
+            f"paper.{key} must map metrics {sorted(METRICS)} to values (null when unknown)",
+        )
+    for key in ("overrides", "model_options", "victims", "federation"):
+        _need(isinstance(raw.get(key) or {}, dict), cw, f"{key} must be a mapping")
+    federation = dict(raw.get("federation") or {})
+    fixed = sorted(set(to_run_config(federation)) & _FEDERATION_FIXED)
+    _need(not fixed, cw, f"federation must not set {', '.join(fixed)} (the cell sets them)")
+    try:
+        resolve_config(to_run_config(federation))
+    except RunConfigError as err:
+        raise ExperimentError(f"{cw}: federation: {err}") from None
+    return Cell(
+        experiment,
+        cid,
+        str(raw["model"]),
+        str(raw["dataset"]),
+        float(p),
+        int(b),
+        list(attacks),
+        dict(raw.get("overrides") or {}),
+        dict(raw.get("model_options") or {}),
+        dict(raw.get("victims") or {}),
+        bool(raw.get("optional", False)),
+        dict(paper),
+        federation,
     )
 
 
