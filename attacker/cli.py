@@ -13,6 +13,7 @@ attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 200
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -30,11 +31,11 @@ from fedsim.models import ModelSpecError
 from fedsim.run_config import SETTINGS
 
 from .attacks import PRESETS, REPLAY_ORDERS, AttackConfigError
-from .config import ConfigError, RunConfig, load_config, parse_config
+from .config import DEVICES, ConfigError, RunConfig, load_config, parse_config
 from .engine.runner import CheckpointError
 from .live import watch
 from .pipeline import RunDirError, run_attack
-from .story import run_story
+from .story import OFFLINE_DEMO, run_story
 
 USER_ERRORS = (
     CaptureError,
@@ -46,14 +47,6 @@ USER_ERRORS = (
     AttackConfigError,
     RunDirError,
 )
-
-DEMO: dict[str, Any] = {
-    "victims": {"source": "builtin", "model": "mlp", "dataset": "mnist", "p": 0.25, "victim_batch_size": 1, "count": 8},
-    "attacks": ["ig_eval", "wiig", "dia"],
-    # The paper runs up to 20,000 iterations; the demo caps at 2,000 to finish in minutes on 2 cores
-    # (MLP/MNIST: WIIG and DIA are near their final SSIM by then, IG stays where it is).
-    "attack_overrides": {"max_iterations": 2000},
-}
 
 # A wide console when piped (CI logs, files) so the results table is not squeezed.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -82,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--captures", help="a federated run folder: attack its captured gradients")
         p.add_argument("--attacks", nargs="+", help=f"attack presets: {', '.join(PRESETS)}")
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
-        p.add_argument("--device", help="auto (GPU when there is one), cpu or gpu")
+        p.add_argument("--device", choices=DEVICES, help="auto: a GPU when there is one (default)")
         p.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -131,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         help="victim images per cell, rounded up to a multiple of B (default: the config's, paper 128)",
     )
     exp.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
-    exp.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu or gpu")
+    exp.add_argument("--device", default="auto", choices=DEVICES, help="auto: a GPU when there is one (default)")
     exp.add_argument(
         "--cells",
         nargs="+",
@@ -394,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"main job report: [bold]{out / 'report.md'}[/bold]")
             return 0
         if args.command == "demo":
-            data: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEMO.items()}
+            data: dict[str, Any] = copy.deepcopy(OFFLINE_DEMO)
         elif getattr(args, "config", None):  # only `run` takes a config file; `watch` has none
             data = load_config(args.config).to_dict()
         else:

@@ -12,12 +12,14 @@ from fedsim.client_step import LocalPlan, LocalPlanError
 from fedsim.data import PAPER_VICTIMS
 from fedsim.models import ModelSpec, ModelSpecError
 from fedsim.models.registry import validate_spec
-from fedsim.run_config import DEFAULTS, RunConfigError, from_run_config, resolve_config, to_run_config
+from fedsim.run_config import DEFAULTS, LABEL_POLICIES, RunConfigError, from_run_config, resolve_config, to_run_config
 from fedsim.task import local_plan
 
 from .attacks import AttackConfig, AttackConfigError, make_attack
 from .engine.inversion import CHECKPOINT_EVERY
 
+# auto: a GPU when there is one; gpu and cuda: an NVIDIA GPU; mps: Apple's (Lightning's accelerator names).
+DEVICES = ("auto", "cpu", "gpu", "cuda", "mps")
 LOCAL_ROUND_KEYS = {"local_epochs", "local_steps", "batch_size", "optimizer", "lr", "momentum", "batch_order"}
 
 
@@ -164,10 +166,10 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
             raise ConfigError(f"victims.local_round: {err}") from None
     if not 0 <= v.client < v.num_clients:
         raise ConfigError(f"victims.client must be in [0, {v.num_clients}), got {v.client}")
-    if cfg.labels not in ("known", "recovered"):
-        raise ConfigError(f"labels must be 'known' or 'recovered', got {cfg.labels!r}")
-    if cfg.device not in ("auto", "cpu", "gpu", "cuda", "mps"):
-        raise ConfigError(f"device must be auto, cpu or gpu, got {cfg.device!r}")
+    if cfg.labels not in LABEL_POLICIES:
+        raise ConfigError(f"labels must be one of {', '.join(LABEL_POLICIES)}, got {cfg.labels!r}")
+    if cfg.device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
     if not isinstance(cfg.attacks, list) or not cfg.attacks:
         raise ConfigError("attacks must be a non-empty list of attack names")
     _expect(cfg.max_unroll_gb, (int, float), "max_unroll_gb")

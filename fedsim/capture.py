@@ -29,14 +29,13 @@ from safetensors.torch import save as st_save
 
 from fedsim.atomic import atomic_folder
 from fedsim.models import ModelSpec, ModelSpecError, build_model
+from fedsim.run_config import CAPTURE_KINDS, LABEL_POLICIES
 
 SCHEMA_VERSION = 1
 CAPTURE_FORMAT = "fedsim.capture"
 ORACLE_FORMAT = "fedsim.oracle"
 META_FILE = "record.json"
 TENSOR_FILE = "tensors.safetensors"
-CAPTURE_KINDS = ("gradient", "update")
-LABEL_POLICIES = ("known", "recovered")  # the run config's ``labels`` values
 # Stored values of earlier versions, read as today's: "unknown" labels are the ones to recover.
 _OLD_LABEL_POLICIES = {"unknown": "recovered"}
 

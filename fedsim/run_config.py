@@ -149,6 +149,10 @@ def _check_failure_spec(text: str) -> None:
         raise RunConfigError(f"inject-client-failure must look like 'ROUND:PARTITION[,PARTITION...]', got {text!r}")
 
 
+# Vocabulary the capture store, the strategy and the attacker share with the run config.
+CAPTURE_KINDS = ("gradient", "update")
+LABEL_POLICIES = ("known", "recovered")
+
 _AT_LEAST_0 = Range(0)
 _AT_LEAST_1 = Range(1)
 _POSITIVE = Range(0, low_open=True)
@@ -270,7 +274,7 @@ SCHEMA: tuple[Setting, ...] = (
         "capture-kind",
         "gradient",
         "gradient: one-step SGD rounds on B victims; update: normal rounds",
-        choices=("gradient", "update"),
+        choices=CAPTURE_KINDS,
         group="capture",
     ),
     Setting(
@@ -299,7 +303,7 @@ SCHEMA: tuple[Setting, ...] = (
         "known",
         "known: a one-step reply discloses its labels (the paper's assumption); "
         "recovered: it does not, and the attacker recovers them from the gradient",
-        choices=("known", "recovered"),
+        choices=LABEL_POLICIES,
         group="capture",
     ),
     Setting(

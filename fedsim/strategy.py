@@ -24,6 +24,7 @@ from safetensors.torch import load as st_load
 from fedsim.capture import Capture, CaptureError, OracleRecord, save_capture, save_oracle
 from fedsim.defenses import get_defense
 from fedsim.models import ModelSpec, build_model
+from fedsim.run_config import CAPTURE_KINDS, LABEL_POLICIES
 
 logger = logging.getLogger("fedsim.strategy")
 
@@ -57,10 +58,10 @@ class CuriousFedAvg(FedAvg):
     ) -> None:
         super().__init__(**fedavg_kwargs)
         self.defense = get_defense(defense)  # recorded in every capture (what the capture holds under it)
-        if capture_kind not in ("gradient", "update"):
-            raise ValueError(f"capture_kind must be 'gradient' or 'update', got {capture_kind!r}")
-        if label_policy not in ("known", "recovered"):
-            raise ValueError(f"label_policy must be 'known' or 'recovered', got {label_policy!r}")
+        if capture_kind not in CAPTURE_KINDS:
+            raise ValueError(f"capture_kind must be one of {CAPTURE_KINDS}, got {capture_kind!r}")
+        if label_policy not in LABEL_POLICIES:
+            raise ValueError(f"label_policy must be one of {LABEL_POLICIES}, got {label_policy!r}")
         self.spec = spec
         self.capture_rounds: set[int] | str = (
             "all" if capture_rounds == "all" else set(capture_rounds or ())  # type: ignore[arg-type]

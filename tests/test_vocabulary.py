@@ -11,6 +11,7 @@ import yaml
 from attacker import cli as attacker_cli
 from attacker.config import RunConfig, VictimConfig, load_config, parse_config
 from attacker.experiments import load_experiment
+from attacker.story import OFFLINE_DEMO
 from fedsim import cli as fedsim_cli
 from fedsim.run_config import DEFAULTS, SETTINGS, from_run_config, to_run_config
 
@@ -66,4 +67,4 @@ def test_yaml_files_use_the_schema_names():
 
 
 def test_the_offline_demo_embeds_configs_attacks_demo_yaml():
-    assert parse_config(attacker_cli.DEMO) == load_config(ROOT / "configs" / "attacks" / "demo.yaml")
+    assert parse_config(OFFLINE_DEMO) == load_config(ROOT / "configs" / "attacks" / "demo.yaml")
