@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fedsim.data import get_spec
+from fedsim.defenses import NO_DEFENSE
 
 from .curves import iterations_to
 from .jobs import JobResult, Oracle, VictimJob
@@ -35,7 +36,7 @@ def score_results(
             "p": job.p,
             "batch_size": job.batch_size,
             "labels": job.label_source,
-            "defense": job.meta.get("defense", "none"),  # the capture's defense and the attack's adaptation to it
+            "defense": job.meta.get("defense", NO_DEFENSE),  # the capture's defense and the attack's adaptation to it
             "adaptation": job.meta.get("adaptation", "none"),
             "status": res.status,
             "iterations": res.iterations,

@@ -28,6 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedsim.atomic import atomic_folder
+from fedsim.defenses import NO_DEFENSE
 from fedsim.models import ModelSpec, ModelSpecError, build_model
 from fedsim.run_config import CAPTURE_KINDS, LABEL_POLICIES
 
@@ -73,7 +74,7 @@ class Capture:
     local_steps: int = 1  # K, the local steps behind an update (as the client reported it)
     # The defense active in the run (fedsim.defenses) and, in words, what the capture therefore holds
     # (e.g. under central DP: the clipped update without the noise, which is added after aggregation).
-    defense: str = "none"
+    defense: str = NO_DEFENSE
     defense_captured: str = ""
     path: Path | None = None
 
@@ -303,7 +304,7 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             step_labels=tensors.get("step_labels"),  # optional: records written before had none
             hyperparameters=dict(meta.get("hyperparameters", {})),
             local_steps=int(meta.get("local_steps", 1)),
-            defense=str(meta.get("defense", "none")),  # records written before defenses existed had none
+            defense=str(meta.get("defense", NO_DEFENSE)),  # records written before defenses existed had none
             defense_captured=str(meta.get("defense_captured", "")),
             path=path,
         )

@@ -119,10 +119,12 @@ _CENTRAL_CAPTURE = (
     "after the server has seen each update"
 )
 
+NO_DEFENSE = "none"  # the run config's default: the entry whose captures are the plain updates
+
 DEFENSES: dict[str, Defense] = {
     d.name: d
     for d in (
-        Defense("none", "no defense", _no_mods, None, "the client's update as sent", "none", family="no defense"),
+        Defense(NO_DEFENSE, "no defense", _no_mods, None, "the client's update as sent", "none", family="no defense"),
         Defense(
             "local-dp",
             "Flower's LocalDpMod on the client: clip to clip-norm, add Gaussian noise for (dp-epsilon, dp-delta)",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
-from fedsim.defenses import DEFENSES
+from fedsim.defenses import DEFENSES, NO_DEFENSE
 
 
 class RunConfigError(ValueError):
@@ -226,7 +226,7 @@ SCHEMA: tuple[Setting, ...] = (
     # defenses: Flower client mods and strategy wrappers (fedsim.defenses)
     Setting(
         "defense",
-        "none",
+        NO_DEFENSE,
         "defense of the clients' updates: " + "; ".join(f"{d.name}: {d.help}" for d in DEFENSES.values()),
         choices=DEFENSES.keys(),
         group="defense",

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from fedsim.atomic import atomic_write
-from fedsim.defenses import DEFENSES, privacy_spent
+from fedsim.defenses import DEFENSES, NO_DEFENSE, privacy_spent
 from fedsim.run_config import resolve_config, to_run_config
 
 from ..report import figure_png
@@ -24,7 +24,7 @@ def defense_fields(out: Path, cell: Cell) -> dict[str, Any]:
     if not cell.federation:
         return {}
     settings = to_run_config(cell.federation)
-    name = str(settings.get("defense", "none"))
+    name = str(settings.get("defense", NO_DEFENSE))
     defense = DEFENSES.get(name)
     level = defense.level if defense is not None else None
     fields: dict[str, Any] = {
@@ -87,7 +87,7 @@ def frontier_figure(rows: list[dict[str, Any]], path: Path, attack: str = "dia")
     axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (model, dataset) in zip(axes[0], panels):
         prow = [r for r in rows if (r["model"], r["dataset"]) == (model, dataset)]
-        base = {r["p"]: r for r in prow if r["defense"] == "none"}
+        base = {r["p"]: r for r in prow if r["defense"] == NO_DEFENSE}
         alone = sorted(base.values(), key=lambda r: r["p"])
         if alone:
             ax.plot(
