@@ -292,7 +292,10 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
 
 def _print_summary(result: dict[str, Any]) -> None:
-    table = Table(title=f"Results ({result['seconds']:.0f} s) — SSIM in paper space (normalized) and [0,1] space")
+    table = Table(
+        title=f"Results ({result['seconds']:.0f} s) — SSIM in paper space (normalized), [0,1] space and per-image "
+        "min-max scaled"
+    )
     for col in (
         "attack",
         "model",
@@ -301,6 +304,7 @@ def _print_summary(result: dict[str, Any]) -> None:
         "victims",
         "SSIM paper",
         "SSIM [0,1]",
+        "SSIM min-max",
         "PSNR paper",
         "LPIPS",
         "MMD",
@@ -321,6 +325,7 @@ def _print_summary(result: dict[str, Any]) -> None:
             str(e["victims"]),
             cell(e, "ssim_paper"),
             cell(e, "ssim_std"),
+            cell(e, "ssim_minmax"),
             cell(e, "psnr_paper", 2),
             cell(e, "lpips"),
             cell(e, "mmd"),

@@ -1,11 +1,14 @@
 """Reconstruction and mask metrics for the gradient-leakage audit.
 
-Two value spaces are reported, always labelled by a suffix:
+Three value spaces are reported, always labelled by a suffix:
 
 * ``*_paper`` -- computed on the *normalized* tensors (the model's input space) with
   ``data_range = max_c 1/std_c`` (about 3.25 for MNIST, 4.05 for CIFAR-10). The paper's
   tables were produced this way (their MSE and PSNR pairs imply this range), so use these to compare.
 * ``*_std`` -- the standard convention: images mapped back to [0, 1] (clamped), data_range 1.
+* ``ssim_minmax`` -- SSIM after scaling each image on its own to [0, 1] by its minimum and maximum
+  (data_range 1): the "ScaledSSIM" of the authors' later code and of their inverting-gradients fork.
+  Insensitive to a reconstruction's brightness and contrast offsets, so it runs highest of the three.
 
 LPIPS always takes [0, 1] images (scaled to [-1, 1] internally). A perfect reconstruction has
 PSNR ``+inf`` (MSE is exactly 0); we keep it rather than capping it so that the number is not
@@ -53,6 +56,7 @@ IMAGE_METRICS: tuple[str, ...] = (
     "ssim_std",
     "psnr_std",
     "mse_std",
+    "ssim_minmax",
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +88,8 @@ def _check_pair(originals: Tensor, recons: Tensor) -> None:
 
 
 def image_metrics(originals: Tensor, recons: Tensor, mean: Sequence[float], std: Sequence[float]) -> dict[str, Tensor]:
-    """Per-image SSIM, PSNR and MSE in both value spaces, pairing ``originals[i]`` with ``recons[i]``.
+    """Per-image SSIM, PSNR and MSE in the paper and [0,1] spaces, and the min-max SSIM, pairing
+    ``originals[i]`` with ``recons[i]``.
 
     Both inputs are *normalized* tensors (as fed to the model). Returns a dict with the keys of
     :data:`IMAGE_METRICS`, each a float tensor of shape (N,).
@@ -103,7 +108,18 @@ def image_metrics(originals: Tensor, recons: Tensor, mean: Sequence[float], std:
             -1
         )
         out[f"mse_{space}"] = per_image_mse(a, b)
+    out["ssim_minmax"] = structural_similarity_index_measure(
+        _minmax(y), _minmax(x), data_range=1.0, reduction="none"
+    ).reshape(-1)
     return {k: out[k] for k in IMAGE_METRICS}
+
+
+def _minmax(x: Tensor) -> Tensor:
+    """Each image scaled to [0, 1] by its own minimum and maximum (a constant image becomes 0)."""
+    flat = x.flatten(1)
+    low, high = flat.min(1).values, flat.max(1).values
+    scale = (high - low).clamp_min(1e-12)
+    return ((flat - low[:, None]) / scale[:, None]).view_as(x)
 
 
 # ---------------------------------------------------------------------------------------------

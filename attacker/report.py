@@ -23,6 +23,7 @@ from .jobs import JobResult, Oracle, VictimJob
 SUMMARY_KEYS = (
     "ssim_paper",
     "ssim_std",
+    "ssim_minmax",
     "psnr_paper",
     "mse_paper",
     "lpips",
@@ -98,9 +99,10 @@ def summarize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(summary: list[dict[str, Any]]) -> str:
-    """Markdown table of the summary (SSIM in both spaces, labelled)."""
+    """Markdown table of the summary (SSIM in its three spaces, labelled)."""
     head = (
-        "| attack | model | data | p | B | victims | SSIM (paper space) | SSIM ([0,1]) | PSNR (paper) | LPIPS "
+        "| attack | model | data | p | B | victims | SSIM (paper space) | SSIM ([0,1]) | SSIM (min-max) "
+        "| PSNR (paper) | LPIPS "
         "| MMD | TRD | optimized values |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -111,7 +113,8 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     for e in summary:
         lines.append(
             f"| {e['attack']} | {e['model']} | {e['dataset']} | {e['p']} | {e['batch_size']} | {e['victims']} | "
-            f"{cell(e, 'ssim_paper')} | {cell(e, 'ssim_std')} | {cell(e, 'psnr_paper', 2)} | {cell(e, 'lpips')} | "
+            f"{cell(e, 'ssim_paper')} | {cell(e, 'ssim_std')} | {cell(e, 'ssim_minmax')} | "
+            f"{cell(e, 'psnr_paper', 2)} | {cell(e, 'lpips')} | "
             f"{cell(e, 'mmd')} | {cell(e, 'trd')} | {e['optimized_values']:,} |"
         )
     return "\n".join(lines) + "\n"

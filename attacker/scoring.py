@@ -14,7 +14,7 @@ from .curves import iterations_to
 from .jobs import JobResult, Oracle, VictimJob
 from .metrics import LpipsScorer, mask_metrics, score_batch
 
-METRIC_KEYS = ("ssim_paper", "psnr_paper", "mse_paper", "ssim_std", "psnr_std", "mse_std", "lpips")
+METRIC_KEYS = ("ssim_paper", "psnr_paper", "mse_paper", "ssim_std", "psnr_std", "mse_std", "ssim_minmax", "lpips")
 
 
 def score_results(

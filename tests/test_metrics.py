@@ -308,3 +308,20 @@ def test_download_checks_hash_and_is_atomic(tmp_path, monkeypatch, good_hash):
             M._download("https://example.invalid/x.pth", dest, timeout=1.0)
         assert not dest.exists()
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_minmax_ssim_is_the_third_labelled_space(mnist_like) -> None:
+    """SSIM after scaling each image to [0, 1] by its own min and max: 1 for a reconstruction that is
+    the original up to brightness and contrast (which the other two spaces penalize), and equal to the
+    [0,1] space's SSIM when both images already span exactly [0, 1]."""
+    images, _ = mnist_like
+    mean, std = (0.13066373765468597,), (0.30810782313346863,)
+    shifted = 0.5 * images + 0.7  # dimmer and brighter, same structure
+    m = M.image_metrics(images, shifted, mean, std)
+    assert torch.allclose(m["ssim_minmax"], torch.ones(4), atol=1e-5)
+    assert (m["ssim_std"] < 0.99).all() and (m["ssim_paper"] < 0.99).all()
+    noisy = images + 0.3 * torch.randn_like(images)
+    noisy = noisy.clamp(images.min(), images.max())
+    noisy[:, :, 0, 0], noisy[:, :, 0, 1] = images.min(), images.max()  # spans the same [0, 1] as the original
+    m = M.image_metrics(images, noisy, mean, std)
+    assert torch.allclose(m["ssim_minmax"], m["ssim_std"], atol=1e-5)
