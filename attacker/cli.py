@@ -35,6 +35,7 @@ from .config import DEVICES, ConfigError, RunConfig, load_config, parse_config
 from .engine.runner import CheckpointError
 from .live import watch
 from .pipeline import RunDirError, run_attack
+from .profiles import DEFAULT_PROFILE, PROFILES
 from .story import OFFLINE_DEMO, run_story
 
 USER_ERRORS = (
@@ -75,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--captures", help="a federated run folder: attack its captured gradients")
         p.add_argument("--attacks", nargs="+", help=f"attack presets: {', '.join(PRESETS)}")
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
+        p.add_argument("--profile", choices=list(PROFILES), help="attack settings per model family (default: paper)")
         p.add_argument("--device", choices=DEVICES, help="auto: a GPU when there is one (default)")
         p.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -124,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
         help="victim images per cell, rounded up to a multiple of B (default: the config's, paper 128)",
     )
     exp.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
+    exp.add_argument(
+        "--profile",
+        choices=list(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="attack settings per model family (attacker/profiles.py)",
+    )
     exp.add_argument("--device", default="auto", choices=DEVICES, help="auto: a GPU when there is one (default)")
     exp.add_argument(
         "--cells",
@@ -216,6 +224,7 @@ def _experiment(args: argparse.Namespace) -> int:
         fl_clients=args.fl_clients,
         progress=not args.quiet,
         seed=args.seed,
+        profile=args.profile,
     )
     ray_fields = {
         "ray_cpus_per_task": "cpus_per_task",
@@ -283,7 +292,7 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         data["attack_overrides"] = dict(data.get("attack_overrides") or {}, max_iterations=args.iterations)
     if getattr(args, "replay_order", None) is not None:
         data["attack_overrides"] = dict(data.get("attack_overrides") or {}, replay_order=args.replay_order)
-    for arg in ("labels", "device", "seed"):
+    for arg in ("labels", "device", "seed", "profile"):
         if getattr(args, arg) is not None:
             data[arg] = getattr(args, arg)
     if args.no_lpips:
@@ -387,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 log=lambda m: console.print(m),
                 num_clients=args.victims,
                 capture_kind=args.capture_kind,
+                profile=args.profile or DEFAULT_PROFILE,
             )
             _print_summary(result)
             console.print(f"main job report: [bold]{out / 'report.md'}[/bold]")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from fedsim.task import local_plan
 
 from .attacks import AttackConfig, AttackConfigError, make_attack
 from .engine.inversion import CHECKPOINT_EVERY
+from .profiles import DEFAULT_PROFILE, ProfileError, check_profile, profile_settings
 
 # auto: a GPU when there is one; gpu and cuda: an NVIDIA GPU; mps: Apple's (Lightning's accelerator names).
 DEVICES = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -70,10 +71,17 @@ class RunConfig:
     seed: int = 0
     lpips: bool = True
     checkpoint_every: int = CHECKPOINT_EVERY
+    profile: str = DEFAULT_PROFILE  # the attack settings per model family (attacker.profiles)
     max_unroll_gb: float = 8.0  # memory for replaying FedAvg updates: groups are sized to fit, larger rounds refused
 
     def attack_configs(self) -> list[AttackConfig]:
         return [make_attack(name, **self.attack_overrides) for name in self.attacks]
+
+    def for_model(self, attack: AttackConfig, spec: ModelSpec) -> AttackConfig:
+        """``attack`` with the profile's settings for ``spec``'s family and dataset, except where the
+        config's attack_overrides set them (the user's word wins)."""
+        settings = profile_settings(self.profile, spec.name, spec.dataset)
+        return replace(attack, **{k: v for k, v in settings.items() if k not in self.attack_overrides})
 
     def model_spec(self) -> ModelSpec:
         v = self.victims
@@ -168,6 +176,10 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"victims.client must be in [0, {v.num_clients}), got {v.client}")
     if cfg.labels not in LABEL_POLICIES:
         raise ConfigError(f"labels must be one of {', '.join(LABEL_POLICIES)}, got {cfg.labels!r}")
+    try:
+        check_profile(cfg.profile)
+    except ProfileError as err:
+        raise ConfigError(str(err)) from None
     if cfg.device not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
     if not isinstance(cfg.attacks, list) or not cfg.attacks:

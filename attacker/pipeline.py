@@ -147,10 +147,11 @@ def prepare_run_dir(run_dir: Path) -> bool:
 
 
 def _pair(
-    jobs: list[VictimJob], oracles: list[Oracle | None], attack_cfgs: list[AttackConfig]
+    jobs: list[VictimJob], oracles: list[Oracle | None], attack_cfgs: list[AttackConfig], cfg: RunConfig
 ) -> tuple[list[VictimJob], list[AttackConfig], list[Oracle | None], list[VictimJob], list[Oracle | None]]:
     """Every (job, attack) the run optimizes, as the engine takes them (jobs, attacks, the oracles
-    only WIIG may see), and as scoring reads them (each job as the client ran it, its ground truth)."""
+    only WIIG may see), and as scoring reads them (each job as the client ran it, its ground truth).
+    Each attack takes the profile's settings for its job's model family (``RunConfig.for_model``)."""
     all_jobs: list[VictimJob] = []
     scoring_jobs: list[VictimJob] = []  # as the client ran them (an unknown-order job is scored on N images)
     all_attacks: list[AttackConfig] = []
@@ -171,7 +172,7 @@ def _pair(
                 except BatchOrderError as err:
                     raise ConfigError(f"attack {attack.name}: {err}") from None
             all_jobs.append(job)
-            all_attacks.append(attack)
+            all_attacks.append(cfg.for_model(attack, job.spec))
             all_oracles.append(oracle if attack.receives_oracle else None)  # the threat model (attacks.py)
             scoring_oracles.append(oracle)
     return all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles
@@ -195,7 +196,7 @@ def run_attack(
     # One plain SGD step on all images IS a gradient: the one-step attack, exactly.
     jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
     attack_cfgs = cfg.attack_configs()
-    all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles = _pair(jobs, oracles, attack_cfgs)
+    all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles = _pair(jobs, oracles, attack_cfgs, cfg)
     if not all_jobs:
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
     group_cap = _unroll_cap(all_jobs, cfg.max_unroll_gb)
@@ -228,13 +229,15 @@ def run_attack(
     )
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
     rows = score_results(scoring_jobs, scoring_oracles, results, lpips)
+    for row in rows:
+        row["profile"] = cfg.profile  # every result says which attack settings ran
     summary = write_results(
         run_dir,
         scoring_jobs,
         scoring_oracles,
         results,
         rows,
-        title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}",
+        title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}, profile {cfg.profile}",
     )
     elapsed = time.time() - started
     atomic_write(run_dir / "run.json", json.dumps({"status": "finished", "started": started, "seconds": elapsed}))

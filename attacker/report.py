@@ -94,6 +94,7 @@ def summarize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entry["reached_ssim90"] = sum(m.get("iters_to_ssim90") is not None for m in members)
         entry["optimized_values"] = members[0]["optimized_values"]
         entry["statuses"] = ",".join(sorted({m["status"] for m in members}))
+        entry["profile"] = members[0].get("profile", "")
         summary.append(entry)
     return summary
 

@@ -23,6 +23,7 @@ from fedsim.run_config import resolve_config
 
 from .config import parse_config
 from .pipeline import RunDirError, run_attack
+from .profiles import DEFAULT_PROFILE
 from .report import atomic_write
 
 # Where the main job differs from the run config's defaults (fedsim.run_config.SCHEMA: an MLP with
@@ -70,6 +71,7 @@ def run_story(
     log: Callable[[str], Any] = print,
     num_clients: int | None = None,
     capture_kind: str = "gradient",
+    profile: str = DEFAULT_PROFILE,
 ) -> dict[str, Any]:
     """Run the main job into ``out`` (federated/, attack/, report.md). ``num_clients`` = victims;
     ``capture_kind`` "update" captures a FedAvg training round instead of a one-step round."""
@@ -104,6 +106,7 @@ def run_story(
             "attack_overrides": dict(attacks["attack_overrides"], **(attack_overrides or {})),
             "lpips": lpips,
             "device": device,
+            "profile": profile,
         }
     )
     result = run_attack(attack_cfg, out / "attack", progress=progress, log=log)

@@ -109,13 +109,15 @@ def test_spec_round_trip():
 
 
 def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
-    """A new model added only as a `ModelFamily` in `MODELS`: the run config and the attacker take its
-    name, its TV default and its group cap apply, and a one-iteration DIA attack runs on it."""
+    """A new model added only as a `ModelFamily` in `MODELS` (and its attack settings as one profile
+    entry): the run config and the attacker take its name, its TV and group cap apply, and a
+    one-iteration DIA attack runs on it."""
     from torch import nn
 
     from attacker.attacks import make_attack
     from attacker.cli import main as attacker_main
     from attacker.engine.objectives import term_weight
+    from attacker.profiles import PROFILES
     from fedsim.models import MODELS, MaskedDropout, ModelFamily
 
     def construct(spec, channels, size, classes, options):
@@ -127,7 +129,10 @@ def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, c
             nn.Linear(16, classes),
         )
 
-    monkeypatch.setitem(MODELS, "toy", ModelFamily("toy", construct, tv_weight=0.5, group_caps={"cpu": 1, "gpu": 1}))
+    monkeypatch.setitem(
+        MODELS, "toy", ModelFamily("toy", construct, attack_family="toy", group_caps={"cpu": 1, "gpu": 1})
+    )
+    monkeypatch.setitem(PROFILES["paper"], "toy", {"tv_weight": 0.5})  # its attack settings: one profile entry
     assert term_weight(make_attack("dia"), "tv_weight", "toy") == 0.5
     out = tmp_path / "run"
     code = attacker_main(

@@ -180,7 +180,8 @@ def write_report(
     lines = [
         '# Reproduction of "Dropout is NOT All You Need to Prevent Gradient Leakage"\n',
         f"Victims: {settings.victim_source} ({settings.victims or 'the configs’'} images per cell); iteration cap: "
-        f"{iters}; device: {settings.device}. Updated {time.strftime('%Y-%m-%d %H:%M:%S')}.\n",
+        f"{iters}; device: {settings.device}; attack profile: {settings.profile}. "
+        f"Updated {time.strftime('%Y-%m-%d %H:%M:%S')}.\n",
         "**SSIM spaces.** *SSIM (paper space)* is computed on normalized tensors with data_range = 1/std — the space "
         "the paper's numbers live in, so compare it with the *paper* column. *SSIM [0,1]* is the standard space "
         "(images mapped back to [0,1], data_range 1); it runs lower. *SSIM min-max* scales each image on its own "

@@ -23,6 +23,7 @@ from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config, to_run_c
 from fedsim.task import local_plan
 
 from ..config import ConfigError, RunConfig, parse_config
+from ..profiles import DEFAULT_PROFILE
 
 EXPERIMENT_KEYS = {
     "name",
@@ -153,6 +154,7 @@ class Settings:
     fl_clients: int | None = None
     progress: bool = True
     seed: int = 0
+    profile: str = DEFAULT_PROFILE  # attack settings per model family (attacker.profiles)
 
 
 def _need(cond: bool, where: str, msg: str) -> None:
@@ -543,6 +545,7 @@ def cell_config(exp: Experiment, cell: Cell, settings: Settings) -> dict[str, An
         "device": settings.device,
         "lpips": settings.lpips,
         "seed": settings.seed,
+        "profile": settings.profile,
     }
 
 

@@ -77,7 +77,8 @@ def _check_vit_b16(spec: ModelSpec) -> str | None:
 @dataclass(frozen=True)
 class ModelFamily:
     """Everything that depends on which model it is, in one entry: how to build it, what it accepts,
-    and the attack's defaults on it. The federation reads the first part, the attacker the second."""
+    and how the attacker treats it (its settings' family, its jobs per batch). The federation reads
+    the first part, the attacker the second."""
 
     name: str
     # (spec, channels, image size, classes, options) -> the model, built with the spec's dropout rate.
@@ -86,8 +87,8 @@ class ModelFamily:
     # The paper feeds MNIST to the CNNs as 3-channel images (its Parameters check; tests/test_models.py).
     three_channel: bool = False
     check: Callable[[ModelSpec], str | None] | None = None  # why a spec cannot be built, or None
-    # The attack's TV weight when the attack config leaves it None (the paper: 1e-2 for the CNNs).
-    tv_weight: float = 1e-5
+    # The key of its attack settings in attacker.profiles.PROFILES (a model without one: "generic").
+    attack_family: str = "generic"
     # Jobs per batched optimization by device kind ("cpu", "gpu"); absent: no cap of the model's own.
     group_caps: Mapping[str, int] = field(default_factory=dict)
 
@@ -104,6 +105,7 @@ MODELS: dict[str, ModelFamily] = {
             "mlp",
             lambda spec, c, size, classes, opts: MLP(c * size * size, classes, spec.p, **opts),
             frozenset({"bias", "width", "depth"}),
+            attack_family="mlp",
         ),
         ModelFamily(
             "vit",
@@ -112,6 +114,7 @@ MODELS: dict[str, ModelFamily] = {
             ),
             frozenset({"patch_size", "dim", "depth", "heads", "dim_head", "mlp_dim"}),
             check=_check_vit,
+            attack_family="vit",
             group_caps={"cpu": 16, "gpu": 128},
         ),
         ModelFamily(
@@ -120,20 +123,21 @@ MODELS: dict[str, ModelFamily] = {
                 image_size=size, channels=c, num_classes=classes, p=spec.p, **VIT_B16
             ),
             check=_check_vit_b16,
+            attack_family="vit",
             group_caps={"cpu": 1, "gpu": 1},
         ),
         ModelFamily(
             "lenet",
             lambda spec, c, size, classes, opts: LeNet(c, size, classes, spec.p),
             three_channel=True,
-            tv_weight=1e-2,
+            attack_family="lenet",
         ),
         ModelFamily(
             "resnet18",
             lambda spec, c, size, classes, opts: build_resnet18(classes, spec.p, **opts),
             frozenset({"norm"}),
             three_channel=True,
-            tv_weight=1e-2,
+            attack_family="resnet",
             group_caps={"cpu": 16, "gpu": 64},
         ),
     )

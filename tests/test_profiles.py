@@ -1,0 +1,64 @@
+"""Attack settings per model family as data (attacker.profiles): the paper's profile, the measured one,
+their fall-backs, the user's overrides over both, and bad entries refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attacker.attacks import AttackConfigError, make_attack
+from attacker.cli import main as attacker_main
+from attacker.config import parse_config
+from attacker.profiles import PROFILES, ProfileError, profile_settings
+from fedsim.models import ModelSpec
+
+
+def test_paper_profile_is_the_papers_tv_per_family() -> None:
+    assert profile_settings("paper", "mlp")["tv_weight"] == 1e-5
+    assert profile_settings("paper", "vit_b16")["tv_weight"] == 1e-5  # the ViT family
+    assert profile_settings("paper", "lenet", "cifar10")["tv_weight"] == 1e-2
+    assert profile_settings("paper", "resnet18", "mnist")["tv_weight"] == 1e-2
+
+
+def test_strong_falls_back_to_paper_and_a_dataset_entry_lies_over_its_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PROFILES, "strong", {"lenet": {"lr": 1.0, "tv_weight": 0.1}, "lenet:mnist": {"lr": 0.5}})
+    assert profile_settings("strong", "mlp") == profile_settings("paper", "mlp")  # not measured: paper's
+    assert profile_settings("strong", "lenet", "cifar10") == {"tv_weight": 0.1, "lr": 1.0}
+    assert profile_settings("strong", "lenet", "mnist") == {"tv_weight": 0.1, "lr": 0.5}
+
+
+def test_the_users_overrides_win_over_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PROFILES, "strong", {"mlp": {"lr": 1.0, "tv_weight": 0.1}})
+    cfg = parse_config({"profile": "strong", "attack_overrides": {"lr": 0.3}})
+    attack = cfg.for_model(make_attack("dia", lr=0.3), ModelSpec("mlp", "mnist", 0.25))
+    assert attack.lr == 0.3 and attack.tv_weight == 0.1
+
+
+def test_bad_profiles_and_entries_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ProfileError, match="unknown attack profile 'fast'; choose from paper, strong"):
+        profile_settings("fast", "mlp")
+    monkeypatch.setitem(PROFILES, "strong", {"mlp": {"learning_rate": 1.0}})
+    with pytest.raises(ProfileError, match=r"entry mlp: unknown setting\(s\) \['learning_rate'\]"):
+        profile_settings("strong", "mlp")
+    monkeypatch.setitem(PROFILES, "strong", {"mlp": {"lr": -1.0}})
+    cfg = parse_config({"profile": "strong"})
+    with pytest.raises(AttackConfigError, match="lr must be positive"):
+        cfg.for_model(make_attack("dia"), ModelSpec("mlp", "mnist", 0.25))
+    monkeypatch.setitem(PROFILES, "strong", {"mlp": {"tv_weight": -0.1}})
+    with pytest.raises(AttackConfigError, match="tv_weight must be >= 0"):
+        cfg.for_model(make_attack("dia"), ModelSpec("mlp", "mnist", 0.25))
+
+
+def test_every_result_says_which_profile_ran(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("profile: fast\nvictims: {count: 1}\n")
+    assert attacker_main(["run", str(config), "--out", str(tmp_path / "bad"), "--quiet"]) == 2
+    out = capsys.readouterr().out
+    assert "unknown attack profile 'fast'" in out and out.count("\n") == 1 and not (tmp_path / "bad").exists()
+    args = ["run", "--victims", "1", "--attacks", "dia", "--iterations", "2", "--no-lpips", "--quiet"]
+    assert attacker_main([*args, "--profile", "strong", "--out", str(tmp_path / "run")]) == 0
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [r["profile"] for r in rows] == ["strong"]
+    assert "profile strong" in (tmp_path / "run" / "report.md").read_text()
