@@ -384,7 +384,7 @@ def cmd_victims(args: argparse.Namespace) -> int:
             path = paper_victims(
                 dataset,
                 args.data_root,
-                allow_download=True,
+                allow_download=True,  # the user asked for the fetch; offline it fails in one line per set
                 base_url=args.url,
                 timeout_s=args.timeout,
                 log=lambda line: console.print(line, highlight=False, soft_wrap=True),
