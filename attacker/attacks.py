@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from .engine.job_adam import SCHEDULES
 from .engine.masks import MASK_INITS, MASK_MODES
 from .engine.objectives import DISTANCES, TERMS, term_weight
 
@@ -30,8 +31,10 @@ class AttackConfig:
     mask_init: str = "bernoulli"
     max_iterations: int = 20_000
     patience: int = 4_000  # stop after this many iterations without improvement
+    schedule: str = "plateau"  # the learning rate's: plateau (the paper's) or multistep (job_adam.SCHEDULES)
     plateau_patience: int = 800
-    plateau_factor: float = 0.1
+    plateau_factor: float = 0.1  # the schedule's factor (plateau: on a plateau; multistep: at each step)
+    restarts: int = 1  # independent starts per victim, optimized together; the lowest loss is kept
     loss_threshold: float = 1e-5
     # The batch order of an update's local round: known (in-order batches, one set of N dummies) or
     # unknown (one copy of the N dummies per epoch, tied by the lambda_order prior; needs per-step labels).
@@ -50,11 +53,15 @@ class AttackConfig:
             raise AttackConfigError(
                 f"attack {self.name}: replay_order must be one of {REPLAY_ORDERS}, got {self.replay_order!r}"
             )
+        if self.schedule not in SCHEDULES:
+            raise AttackConfigError(
+                f"attack {self.name}: schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}"
+            )
         if self.mask_init not in MASK_INITS:
             raise AttackConfigError(
                 f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}"
             )
-        for key in ("max_iterations", "patience", "plateau_patience"):
+        for key in ("max_iterations", "patience", "plateau_patience", "restarts"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise AttackConfigError(f"attack {self.name}: {key} must be a positive integer, got {value!r}")

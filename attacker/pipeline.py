@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,17 +146,38 @@ def prepare_run_dir(run_dir: Path) -> bool:
     return False
 
 
+@dataclass
+class Pairs:
+    """Every (job, attack) the run optimizes, as the engine takes them (jobs, attacks, the oracles only
+    WIIG may see, the ground truth of the SSIM curves), and as scoring reads them (each job as the
+    client ran it, its ground truth); ``origin[i]``: the scoring entry engine job i belongs to (one
+    per restart)."""
+
+    jobs: list[VictimJob] = field(default_factory=list)
+    attacks: list[AttackConfig] = field(default_factory=list)
+    oracles: list[Oracle | None] = field(default_factory=list)
+    curve_oracles: list[Oracle | None] = field(default_factory=list)
+    scoring_jobs: list[VictimJob] = field(default_factory=list)
+    scoring_oracles: list[Oracle | None] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
+
+    def best_of_restarts(self, results: list[JobResult]) -> list[JobResult]:
+        """Per scoring entry, its restart with the lowest loss (never chosen by the ground truth),
+        under the entry's own job id."""
+        best: dict[int, JobResult] = {}
+        for o, result in zip(self.origin, results):
+            if o not in best or result.best_loss < best[o].best_loss:
+                best[o] = result
+        return [replace(best[o], job_id=self.scoring_jobs[o].job_id) for o in range(len(self.scoring_jobs))]
+
+
 def _pair(
     jobs: list[VictimJob], oracles: list[Oracle | None], attack_cfgs: list[AttackConfig], cfg: RunConfig
-) -> tuple[list[VictimJob], list[AttackConfig], list[Oracle | None], list[VictimJob], list[Oracle | None]]:
-    """Every (job, attack) the run optimizes, as the engine takes them (jobs, attacks, the oracles
-    only WIIG may see), and as scoring reads them (each job as the client ran it, its ground truth).
-    Each attack takes the profile's settings for its job's model family (``RunConfig.for_model``)."""
-    all_jobs: list[VictimJob] = []
-    scoring_jobs: list[VictimJob] = []  # as the client ran them (an unknown-order job is scored on N images)
-    all_attacks: list[AttackConfig] = []
-    all_oracles: list[Oracle | None] = []
-    scoring_oracles: list[Oracle | None] = []
+) -> Pairs:
+    """The run's pairs (see :class:`Pairs`). Each attack takes the profile's settings for its job's
+    model family (``RunConfig.for_model``); an attack with restarts runs its job that many times, each
+    from its own start (the job id seeds the dummies)."""
+    pairs = Pairs()
     for attack in attack_cfgs:
         for job, oracle in zip(jobs, oracles):
             if job.plan is not None and not attack.replay:  # the baseline: Δ/(lr·K) as one gradient
@@ -165,17 +186,21 @@ def _pair(
                 job, oracle = as_one_gradient(job), (Oracle(oracle.images, ()) if oracle is not None else None)
             if attack.receives_oracle and oracle is None:
                 continue  # WIIG needs the client's true masks: only audited runs have them
-            scoring_jobs.append(job)
+            pairs.scoring_jobs.append(job)
+            pairs.scoring_oracles.append(oracle)
             if job.plan is not None and attack.replay_order == "unknown":
                 try:
                     job = unknown_order(job)
                 except BatchOrderError as err:
                     raise ConfigError(f"attack {attack.name}: {err}") from None
-            all_jobs.append(job)
-            all_attacks.append(cfg.for_model(attack, job.spec))
-            all_oracles.append(oracle if attack.receives_oracle else None)  # the threat model (attacks.py)
-            scoring_oracles.append(oracle)
-    return all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles
+            fitted = cfg.for_model(attack, job.spec)
+            for r in range(fitted.restarts):
+                pairs.jobs.append(job if r == 0 else replace(job, job_id=f"{job.job_id}+restart{r}"))
+                pairs.attacks.append(fitted)
+                pairs.oracles.append(oracle if attack.receives_oracle else None)  # the threat model (attacks.py)
+                pairs.curve_oracles.append(oracle)
+                pairs.origin.append(len(pairs.scoring_jobs) - 1)
+    return pairs
 
 
 def run_attack(
@@ -196,7 +221,8 @@ def run_attack(
     # One plain SGD step on all images IS a gradient: the one-step attack, exactly.
     jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
     attack_cfgs = cfg.attack_configs()
-    all_jobs, all_attacks, all_oracles, scoring_jobs, scoring_oracles = _pair(jobs, oracles, attack_cfgs, cfg)
+    pairs = _pair(jobs, oracles, attack_cfgs, cfg)
+    all_jobs, scoring_jobs, scoring_oracles = pairs.jobs, pairs.scoring_jobs, pairs.scoring_oracles
     if not all_jobs:
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
     group_cap = _unroll_cap(all_jobs, cfg.max_unroll_gb)
@@ -212,15 +238,15 @@ def run_attack(
     attack_started = time.time()
     results: list[JobResult] = run_jobs(
         all_jobs,
-        all_attacks,
-        all_oracles,
+        pairs.attacks,
+        pairs.oracles,
         run_dir,
         seed=cfg.seed,
         accelerator=cfg.device,
         checkpoint_every=cfg.checkpoint_every,
         progress=progress,
         max_jobs_per_group=group_cap,
-        score_oracles=scoring_oracles,
+        score_oracles=pairs.curve_oracles,
     )
     iterations = sum(len(r.losses) for r in results)
     log(
@@ -228,6 +254,7 @@ def run_attack(
         f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s"
     )
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
+    results = pairs.best_of_restarts(results)
     rows = score_results(scoring_jobs, scoring_oracles, results, lpips)
     for row in rows:
         row["profile"] = cfg.profile  # every result says which attack settings ran

@@ -20,7 +20,16 @@ from fedsim.models import model_family
 
 GENERIC = "generic"
 # The attack settings a profile may set (AttackConfig fields; validated there).
-PROFILE_KEYS = ("lr", "tv_weight", "plateau_patience", "plateau_factor", "patience", "max_iterations")
+PROFILE_KEYS = (
+    "lr",
+    "tv_weight",
+    "schedule",
+    "plateau_patience",
+    "plateau_factor",
+    "patience",
+    "max_iterations",
+    "restarts",
+)
 
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "paper": {

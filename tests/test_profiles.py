@@ -62,3 +62,44 @@ def test_every_result_says_which_profile_ran(tmp_path: Path, capsys: pytest.Capt
     rows = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [r["profile"] for r in rows] == ["strong"]
     assert "profile strong" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_multistep_schedule_steps_at_three_eighths_five_eighths_seven_eighths() -> None:
+    from attacker.engine.job_adam import SCHEDULES
+
+    attack = make_attack("dia", schedule="multistep", lr=1.0, max_iterations=800, plateau_factor=0.1)
+    lrs = [SCHEDULES["multistep"](1.0, 0.0, 0, 0.5, it, attack)[0] for it in (0, 298, 299, 499, 699, 799)]
+    assert lrs == pytest.approx([1.0, 1.0, 0.1, 0.01, 0.001, 0.001])
+    with pytest.raises(AttackConfigError, match="schedule must be one of"):
+        make_attack("dia", schedule="cosine")
+    with pytest.raises(AttackConfigError, match="restarts must be a positive integer"):
+        make_attack("dia", restarts=0)
+
+
+def test_restarts_run_together_and_the_lowest_loss_is_kept(tmp_path: Path) -> None:
+    """Two starts per victim in one batched optimization; each victim's result is the start with the
+    lower loss, under the victim's own job id (chosen by loss, never by the ground truth)."""
+    from attacker.jobs import JobResult
+    from attacker.pipeline import Pairs, run_attack
+
+    pairs = Pairs(scoring_jobs=[type("J", (), {"job_id": "v0"})()], origin=[0, 0])
+    picked = pairs.best_of_restarts(
+        [
+            JobResult("v0", "dia", None, None, 0.5, 1, 2, "max_iterations", 1),
+            JobResult("v0+restart1", "dia", None, None, 0.2, 1, 2, "max_iterations", 1),
+        ]
+    )
+    assert [(r.job_id, r.best_loss) for r in picked] == [("v0", 0.2)]
+    cfg = parse_config(
+        {
+            "victims": {"count": 2},
+            "attacks": ["dia"],
+            "lpips": False,
+            "attack_overrides": {"restarts": 2, "max_iterations": 3},
+        }
+    )
+    result = run_attack(cfg, tmp_path / "run", progress=False, log=lambda m: None)
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert len(rows) == 2 and all(r["iterations"] == 3 for r in rows)  # one row per victim, not per start
+    assert all("+restart" not in r["job"] for r in rows) and len({r["job"] for r in rows}) == 2
+    assert len(result["rows"]) == 2

@@ -177,14 +177,14 @@ class InversionModule(LightningModule):
 
     def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
         """One optimizer step of each of ``jobs`` after the backward pass (Adam on their rows, then each
-        job's plateau rule on its loss)."""
+        job's learning-rate schedule on its loss)."""
         stepping = [False] * self.V
         for j in jobs:
             stepping[j] = True
             self.state.adam_steps[j] += 1
         self.unknowns.step(stepping, self.state.job_lr, self.state.adam_steps)
         for j, loss in zip(jobs, losses):
-            self.state.plateau(j, loss, self.attacks[j])
+            self.state.schedule(j, loss, self.attacks[j])
 
     # -- checkpoints: the dummies, masks, Adam moments and best iterates are parameters and buffers;
     # the per-job state is saved beside them.

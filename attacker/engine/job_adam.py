@@ -13,6 +13,8 @@ tests/test_job_adam.py checks it against one torch.optim.Adam per job, element f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,3 +73,26 @@ def plateau_step(
             lr = lowered
         bad = 0
     return lr, best, bad
+
+
+# -- learning-rate schedules, by name (AttackConfig.schedule) -------------------------------------
+# Each takes a job's (lr, plateau best, plateau count), this iteration's loss and index, and its
+# attack's settings, and returns the new (lr, best, count).
+MULTISTEP_MILESTONES = (3 / 8, 5 / 8, 7 / 8)  # of the iteration cap (Geiping et al.'s inverting gradients)
+
+
+def _plateau(lr: float, best: float, bad: int, loss: float, iteration: int, attack: Any) -> tuple[float, float, int]:
+    """ReduceLROnPlateau on the job's loss (the paper's schedule)."""
+    return plateau_step(lr, best, bad, loss, attack.plateau_patience, attack.plateau_factor)
+
+
+def _multistep(lr: float, best: float, bad: int, loss: float, iteration: int, attack: Any) -> tuple[float, float, int]:
+    """MultiStepLR: the base lr times plateau_factor at 3/8, 5/8 and 7/8 of the iteration cap, whatever the loss."""
+    passed = sum(iteration + 1 >= round(attack.max_iterations * f) for f in MULTISTEP_MILESTONES)
+    return attack.lr * attack.plateau_factor**passed, best, bad
+
+
+SCHEDULES: dict[str, Callable[[float, float, int, float, int, Any], tuple[float, float, int]]] = {
+    "plateau": _plateau,
+    "multistep": _multistep,
+}

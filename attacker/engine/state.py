@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from ..attacks import AttackConfig
-from .job_adam import plateau_step
+from .job_adam import SCHEDULES
 
 RUNNING = "running"
 
@@ -78,15 +78,11 @@ class JobState:
                 stepping.append((j, value))
         return improved, stepping
 
-    def plateau(self, j: int, loss: float, attack: AttackConfig) -> None:
-        """Job j's learning rate after its plateau rule (ReduceLROnPlateau's, job_adam.plateau_step) saw ``loss``."""
-        self.job_lr[j], self.plateau_best[j], self.plateau_bad[j] = plateau_step(
-            self.job_lr[j],
-            self.plateau_best[j],
-            self.plateau_bad[j],
-            loss,
-            attack.plateau_patience,
-            attack.plateau_factor,
+    def schedule(self, j: int, loss: float, attack: AttackConfig) -> None:
+        """Job j's learning rate after its schedule (job_adam.SCHEDULES: the paper's plateau rule, or
+        steps at fixed fractions of the cap) saw this iteration's ``loss``."""
+        self.job_lr[j], self.plateau_best[j], self.plateau_bad[j] = SCHEDULES[attack.schedule](
+            self.job_lr[j], self.plateau_best[j], self.plateau_bad[j], loss, self.iteration, attack
         )
 
     def state_dict(self) -> dict:
