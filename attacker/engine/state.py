@@ -33,17 +33,16 @@ class JobState:
     def start(cls, attacks: list[AttackConfig]) -> JobState:
         v = len(attacks)
         return cls(
-            [float(a.lr) for a in attacks],
-            0,
-            [RUNNING] * v,
-            [float("inf")] * v,
-            [-1] * v,
-            [0] * v,
-            [False] * v,
-            [[] for _ in range(v)],
-            [0] * v,
-            [float("inf")] * v,
-            [0] * v,
+            job_lr=[float(a.lr) for a in attacks],
+            status=[RUNNING] * v,
+            best_loss=[float("inf")] * v,
+            best_iteration=[-1] * v,
+            since_best=[0] * v,
+            has_best=[False] * v,
+            losses=[[] for _ in range(v)],
+            adam_steps=[0] * v,
+            plateau_best=[float("inf")] * v,
+            plateau_bad=[0] * v,
         )
 
     def active(self) -> list[int]:
