@@ -8,7 +8,7 @@ Three value spaces are reported, always labelled by a suffix:
 * ``*_std`` -- the standard convention: images mapped back to [0, 1] (clamped), data_range 1.
 * ``ssim_minmax`` -- SSIM after scaling each image on its own to [0, 1] by its minimum and maximum
   (data_range 1): the "ScaledSSIM" of the authors' later code and of their inverting-gradients fork.
-  Insensitive to a reconstruction's brightness and contrast offsets, so it runs highest of the three.
+  Insensitive to a reconstruction's brightness and contrast offsets, not to noise in a flat background.
 
 LPIPS always takes [0, 1] images (scaled to [-1, 1] internally). A perfect reconstruction has
 PSNR ``+inf`` (MSE is exactly 0); we keep it rather than capping it so that the number is not

@@ -186,7 +186,7 @@ def write_report(
         "the paper's numbers live in, so compare it with the *paper* column. *SSIM [0,1]* is the standard space "
         "(images mapped back to [0,1], data_range 1); it runs lower. *SSIM min-max* scales each image on its own "
         "to [0,1] by its minimum and maximum (the authors' later code's ScaledSSIM); it forgives brightness and "
-        "contrast offsets and runs highest. For B > 1 reconstructions are matched to "
+        "contrast offsets, not noise in a flat background. For B > 1 reconstructions are matched to "
         "originals (Hungarian assignment); `results.csv` also holds the unmatched SSIM. Values are mean ± std over "
         "victim jobs (the *victims* column: jobs × B; a job's value is the mean over its B images); "
         "the paper used 128 victims (Table 4: 10) and up to 20,000 iterations.\n",
