@@ -69,11 +69,11 @@ def profile_settings(name: str, model: str, dataset: str | None = None) -> dict[
     ``family:dataset`` entry laid over it."""
     check_profile(name)
     family = model_family(model).attack_family
-    chain = [DEFAULT_PROFILE, name] if name != DEFAULT_PROFILE else [name]
+    paper, chosen = PROFILES[DEFAULT_PROFILE], PROFILES[name]
+    layers = [paper.get(family, paper[GENERIC]), paper.get(f"{family}:{dataset}", {})]
+    if name != DEFAULT_PROFILE:  # a measured entry lies over the paper's; a missing one leaves it
+        layers += [chosen.get(family, {}), chosen.get(f"{family}:{dataset}", {})]
     out: dict[str, Any] = {}
-    for profile in chain:
-        table = PROFILES[profile]
-        out.update(table.get(family, table.get(GENERIC, {}) if profile == chain[0] else {}))
-        if dataset is not None:
-            out.update(table.get(f"{family}:{dataset}", {}))
+    for layer in layers:
+        out.update(layer)
     return out
