@@ -41,6 +41,14 @@ class AttackConfig:
     replay_order: str = "known"
     lambda_order: float | None = None  # None: 1e-2 for unknown-order jobs (objectives.order_term); 0 otherwise
     replay: bool = True  # update captures: replay the client's local steps; False: Δ/(lr·K) as one gradient (baseline)
+    # Adam update captures: the replay's ε (not the client's) starts at replay_eps_start and falls
+    # geometrically to replay_eps_end over the first replay_eps_anneal of max_iterations, then stays
+    # there. Adam's first step is ≈ lr·sign(g), flat in g (and in the masks' scale) at the client's
+    # ε = 1e-8: a larger ε gives the dummies and masks a gradient. replay_eps_start None: the client's ε
+    # throughout; replay_eps_end None: the client's ε at the end (the client's exact round).
+    replay_eps_start: float | None = 1e-3
+    replay_eps_end: float | None = 1e-5
+    replay_eps_anneal: float = 1.0
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:
@@ -68,6 +76,19 @@ class AttackConfig:
         for key in ("lr", "plateau_factor"):
             if not getattr(self, key) > 0:
                 raise AttackConfigError(f"attack {self.name}: {key} must be positive, got {getattr(self, key)!r}")
+        for key in ("replay_eps_start", "replay_eps_end"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                hint = " (YAML reads 1e-4 as text: write 1.0e-4)" if isinstance(value, str) else ""
+                raise AttackConfigError(
+                    f"attack {self.name}: {key} must be a positive number (or null), got {value!r}{hint}"
+                )
+        anneal = self.replay_eps_anneal
+        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or not 0 < anneal <= 1:
+            raise AttackConfigError(
+                f"attack {self.name}: replay_eps_anneal is a fraction of max_iterations and must be in (0, 1] "
+                f"(a schedule no longer than the budget), got {anneal!r}"
+            )
         for key in ("loss_threshold", *TERMS):  # every loss term's weight: None (its default) or >= 0
             value = getattr(self, key)
             if value is not None and value < 0:

@@ -28,6 +28,7 @@ from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
 from .masks import mask_mode
 from .matching import Matcher
 from .objectives import DISTANCES, TERMS, TermInputs, term_weight
+from .replay import smoothing_end
 from .state import JobState
 from .unknowns import Unknowns
 
@@ -76,6 +77,9 @@ class InversionModule(LightningModule):
         box = box_bounds(get_spec(first.spec.dataset, first.spec.input_shape[0]))
         self.unknowns = Unknowns(jobs, attacks, oracles, seed, model, self.mask_shapes, box)
         self.state = JobState.start(attacks)
+        # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
+        adam = first.plan is not None and first.plan.optimizer.name == "adam"
+        self.smoothing_ends = [smoothing_end(a) if adam else None for a in attacks]
         # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
         # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
         self.distance_names = sorted({a.distance for a in attacks})
@@ -132,7 +136,8 @@ class InversionModule(LightningModule):
         x = unknowns.rows(unknowns.image_stack, active)
         if self.matcher.plan is not None:
             masks = {j: [unknowns.mask(j, i) for i in range(layers_n)] for j in active}
-            terms = self.matcher.replay(active, unknowns.images, masks)
+            attacks = [self.attacks[j] for j in active]
+            terms = self.matcher.replay(active, unknowns.images, masks, attacks, self.state.iteration)
             layers = [torch.cat([masks[j][i] for j in active]) for i in range(layers_n)]
         else:
             layers = [unknowns.layer_masks(active, i) for i in range(layers_n)]
@@ -158,6 +163,9 @@ class InversionModule(LightningModule):
         if not active:
             self.trainer.should_stop = True
             return None
+        ended = [j for j in active if self.smoothing_ends[j] == self.state.iteration]
+        if ended:  # the best iterate and the plateau rule restart on the final objective
+            self.state.restart_tracking(ended)
         self.unknowns.zero_grad_rows()
         losses, _ = self.job_losses(active)
         self.manual_backward(losses.sum())

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from fedsim.models import set_masks
 
+from ..attacks import AttackConfig
 from ..jobs import VictimJob, support_mask
 from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
-from .replay import replay_terms
+from .replay import annealed_eps, replay_terms
 
 
 class Matcher(nn.Module):
@@ -100,9 +101,17 @@ class Matcher(nn.Module):
             parts[0].names,
         )
 
-    def replay(self, active: list[int], dummies: list[Tensor], masks: dict[int, list[Tensor]]) -> MatchTerms:
+    def replay(
+        self,
+        active: list[int],
+        dummies: list[Tensor],
+        masks: dict[int, list[Tensor]],
+        attacks: list[AttackConfig] | None = None,
+        iteration: int = 0,
+    ) -> MatchTerms:
         """An update capture's terms: each job's round replayed with its dummies and its masks (a list
-        over local steps, then dropout layers)."""
+        over local steps, then dropout layers). ``attacks`` (the active jobs', in order) and the
+        attack's ``iteration`` set an Adam replay's smoothing; without them, the client's ε."""
         per_layer = len(next(iter(masks.values()))) // len(self.steps) if masks else 0
         per_step = [[masks[j][t * per_layer : (t + 1) * per_layer] for t in range(len(self.steps))] for j in active]
         targets = [[getattr(self, f"target_{i}")[j] for i in range(self.num_params)] for j in active]
@@ -116,4 +125,5 @@ class Matcher(nn.Module):
             per_step,
             targets,
             [self._support(j, self.labels.device) for j in active],
+            [annealed_eps(self.plan.optimizer.eps, a, iteration) for a in attacks] if attacks is not None else None,
         )

@@ -8,10 +8,16 @@ gradient terms (``MatchTerms``), so the distances and loss terms of ``objectives
 
 Jobs run one after another here: each job's weights drift apart from step 1 on, so there is no
 shared product to batch across jobs the way the one-step terms do.
+
+Adam captures are replayed with a smoothed update: the replay's ε follows a geometric schedule from a
+larger value down to an end value (``annealed_eps``; the attack's ``replay_eps_*`` settings), since at
+the client's ε the first step is ≈ lr·sign(g) and gives the dummies and masks almost no usable
+gradient. The client's own step is never changed; with the end value None the schedule ends on it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -20,12 +26,35 @@ from torch.utils.data import TensorDataset
 
 from fedsim.client_step import LocalPlan, run_local_round
 
+from ..attacks import AttackConfig
 from .gradients import MatchTerms
 
 # Bytes per float32 value kept for the backward pass of one replayed step, per parameter and per
 # activation value: the double backward keeps the forward activations, their gradients, the weight
 # gradients and the optimizer's state (measured roughly on the MLP; a planning figure, not a bound).
 PARAM_FACTOR, ACTIVATION_FACTOR = 6 * 4, 6 * 4
+
+
+def annealed_eps(client_eps: float, attack: AttackConfig, iteration: int) -> float:
+    """The Adam ε the replay uses at ``iteration``: geometric from ``replay_eps_start`` to
+    ``replay_eps_end`` (None: ``client_eps``, exactly, so the replay is then the client's own round)
+    over the first ``replay_eps_anneal`` of ``max_iterations``, then the end value."""
+    start, span = attack.replay_eps_start, attack.replay_eps_anneal * attack.max_iterations
+    end = client_eps if attack.replay_eps_end is None else attack.replay_eps_end
+    if start is None or end <= 0:  # off; a zero client ε has no geometric path
+        return client_eps
+    if iteration >= span:
+        return end
+    return start * (end / start) ** (iteration / span)
+
+
+def smoothing_end(attack: AttackConfig) -> int | None:
+    """The first iteration whose replay ε is the schedule's end value (None: no smoothing, or the
+    schedule runs to the end of the budget)."""
+    if attack.replay_eps_start is None:
+        return None
+    end = math.ceil(attack.replay_eps_anneal * attack.max_iterations)
+    return end if end < attack.max_iterations else None
 
 
 def replay_terms(
@@ -37,16 +66,20 @@ def replay_terms(
     masks: list[list[list[Tensor]]],
     targets: list[list[Tensor]],
     supports: list[list[Tensor] | None] | None = None,
+    eps: list[float] | None = None,
 ) -> MatchTerms:
     """For each job j: replay ``plan`` on ``images[j]`` with ``masks[j]`` (per step, per dropout
     layer) from the weights ``start``, and return <Δ_j, Δ*_j>, ||Δ_j||², ||Δ*_j||² per parameter.
-    ``supports[j]`` (a pruned capture) cuts the replayed Δ_j to the entries the client kept."""
+    ``supports[j]`` (a pruned capture) cuts the replayed Δ_j to the entries the client kept;
+    ``eps[j]`` (an Adam plan) is the ε job j's replay uses in place of the client's."""
     names = [n for n, _ in model.named_parameters()]
     dots, norms, target_norms = [], [], []
     for j, (x, y, job_masks, target) in enumerate(zip(images, labels, masks, targets)):
         job_plan = replace(
             plan, dropout="learn", masks=job_masks, differentiable=True, keep_gradients=False, record_masks=False
         )
+        if eps is not None and plan.optimizer.name == "adam":
+            job_plan = replace(job_plan, optimizer=replace(plan.optimizer, eps=eps[j]))
         update = run_local_round(model, TensorDataset(x, y), job_plan, start=start).update
         delta = [update[n] for n in names]
         support = supports[j] if supports is not None else None

@@ -77,6 +77,14 @@ class JobState:
                 stepping.append((j, value))
         return improved, stepping
 
+    def restart_tracking(self, jobs: list[int]) -> None:
+        """Forget these jobs' best loss and plateau counter (not their best iterate until a new one
+        comes): their objective has changed (an Adam replay's smoothing ended), so earlier losses are
+        not comparable with later ones."""
+        for j in jobs:
+            self.best_loss[j], self.since_best[j] = float("inf"), 0
+            self.plateau_best[j], self.plateau_bad[j] = float("inf"), 0
+
     def schedule(self, j: int, loss: float, attack: AttackConfig) -> None:
         """Job j's learning rate after its schedule (job_adam.SCHEDULES: the paper's plateau rule, or
         steps at fixed fractions of the cap) saw this iteration's ``loss``."""
