@@ -9,6 +9,7 @@ memory, for the dense targets ("before") and the factored low-rank targets ("aft
     .venv/bin/python benchmarks/attack_throughput.py --threads 1     # a machine others are loading too
     .venv/bin/python benchmarks/attack_throughput.py --device cuda  # on a GPU machine
     .venv/bin/python benchmarks/attack_throughput.py --models vit --bf16  # also the factored path in bf16
+    .venv/bin/python benchmarks/attack_throughput.py --models fedavg --threads 2  # the FedAvg rows alone
 
 Absolute figures drift by tens of percent between runs on shared machines; the ratios are what to
 quote. The baseline, dense and factored paths are timed in turns, and each figure is the best of a
@@ -18,6 +19,13 @@ FlopCounterMode on one iteration of each setting. Peak memory: the process's pea
 setting (Linux; reset before each setting) on the CPU, torch.cuda.max_memory_allocated on a GPU.
 The one-off factoring of the targets (once per group of jobs, before the first iteration) is
 printed beside each factored row, not counted in its iterations.
+
+The FedAvg rows ("fedavg" in --models): DIA on update captures of MLP/MNIST rounds of K = 4 steps
+(N = 4 images, batch 1, in order; SGD lr 0.05 and Adam lr 1e-3), ``--fedavg-jobs`` jobs in one
+module. "loop" replays the jobs one after another (``replay_terms``'s loop, the baseline of these
+rows); "batch" is what the engine runs: the low-rank batched replay where it applies (SGD on an
+all-Linear model, ``attacker.engine.replay_lowrank``), the loop otherwise (Adam). Both are timed in
+turns on the same module; a timed repeat of the loop is one iteration (long and steady).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from attacker.attacks import make_attack
 from attacker.engine.inversion import InversionModule
+from attacker.engine.replay_lowrank import one_job_loop
 from attacker.jobs import jobs_from_images
+from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
 from fedsim.models import ModelSpec
 
 SETTINGS = {
@@ -50,6 +60,8 @@ SETTINGS = {
 }
 # Default V per model: a few sizes up to where that model's throughput stops growing on 2 cores.
 DEFAULT_JOBS = {"mlp": [1, 32, 128], "lenet": [1, 32, 128], "vit": [1, 8, 16], "resnet18": [1, 8, 16]}
+# The FedAvg rows: the client's optimizer and learning rate (configs/experiments/fedavg.yaml's).
+FEDAVG_OPTIMIZERS = {"sgd": OptimizerSpec("sgd", 0.05), "adam": OptimizerSpec("adam", 1e-3)}
 
 
 def gemm_peak(device: torch.device, n: int | None = None, reps: int = 5) -> float:
@@ -91,6 +103,64 @@ def make_module(
     ]
     vjobs, _ = jobs_from_images(spec, batches)
     return InversionModule(vjobs, [make_attack("dia", **attack)] * jobs, None).to(device)
+
+
+def make_fedavg_module(
+    optimizer: OptimizerSpec, jobs: int, steps: int = 4, device: torch.device | str = "cpu"
+) -> InversionModule:
+    """V DIA jobs on MLP/MNIST update captures: each client runs ``steps`` SGD or Adam steps of
+    batch 1 over its ``steps`` random images, in order, and shares Δ."""
+    spec = ModelSpec("mlp", "mnist", 0.25)
+    plan = LocalPlan(Schedule(epochs=1, batch_size=1, order="in-order"), optimizer)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(steps, *spec.input_shape, generator=g).clamp(-0.4, 2.0), torch.tensor([i % 10] * steps))
+        for i in range(jobs)
+    ]
+    vjobs, _ = jobs_from_images(spec, batches, plan=plan)
+    return InversionModule(vjobs, [make_attack("dia")] * jobs, None).to(device)
+
+
+def bench_fedavg(args: argparse.Namespace, device: torch.device, peak: float, memory: PeakMemory) -> list[dict]:
+    """The FedAvg rows (see the module docstring): per optimizer, the loop and the dispatch, in turns."""
+    sync = lambda: _sync(device)  # noqa: E731
+    v, out = args.fedavg_jobs, []
+    name = f"fedavg-K{args.fedavg_steps}"
+    for opt_name, optimizer in FEDAVG_OPTIMIZERS.items():
+        module = make_fedavg_module(optimizer, v, args.fedavg_steps, device)
+        step = functools.partial(engine_step, module)
+        paths: dict[str, Callable[[], Any]] = {"loop": functools.partial(_looped, step), "batch": step}
+        flops, mem, times = {}, {}, {path: [] for path in paths}
+        for path, run in paths.items():
+            memory.reset()
+            run()  # warm-up (and the one-off caching of the targets for the dispatch)
+            flops[path], mem[path] = count_flops(run), memory.peak_gb()
+        for _ in range(args.repeats):
+            for path, run in paths.items():
+                n = args.iterations if path == "batch" and opt_name == "sgd" else 1  # a loop: one is long
+                sync()
+                start = time.perf_counter()
+                for _ in range(n):
+                    run()
+                sync()
+                times[path].append((time.perf_counter() - start) / n)
+        base = v / min(times["loop"])
+        for path in paths:
+            dt = min(times[path])
+            label = f"{opt_name}-{path}"
+            ratio = None if path == "loop" else v / dt / base
+            note = {"loop": "", "batch": "   (low-rank, all jobs at once)"}[path]
+            if path == "batch" and opt_name != "sgd":
+                note = "   (not batched: the dispatch takes the loop)"
+            print(row(name, v, label, v / dt, ratio, dt, flops[path], peak, mem[path]) + note, flush=True)
+            out.append({"model": name, "V": v, "path": label, "rate": v / dt})
+        del module, step, paths
+    return out
+
+
+def _looped(step: Callable[[], Any]) -> None:
+    with one_job_loop():
+        step()
 
 
 def autocast_step(module: InversionModule, device: torch.device):
@@ -290,7 +360,13 @@ def bench_model(
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "vit"], choices=list(SETTINGS))
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["mlp", "vit", "fedavg"],
+        choices=[*SETTINGS, "fedavg"],
+        help="fedavg: the FedAvg replay rows (MLP/MNIST update captures, SGD and Adam)",
+    )
     parser.add_argument(
         "--jobs",
         nargs="+",
@@ -307,6 +383,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--batch-size", type=int, default=1, help="images per victim job (B)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--fedavg-jobs", type=int, default=16, help="jobs (V) of the FedAvg rows")
+    parser.add_argument("--fedavg-steps", type=int, default=4, help="local steps K (= images N, batch 1)")
     parser.add_argument(
         "--bf16",
         action="store_true",
@@ -333,16 +411,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"baseline: the plain loop, one victim at a time ({args.baseline_victims} of the same jobs in turn); "
         "'x baseline' = victim-it/s over the baseline's, this run"
     )
+    if "fedavg" in args.models:
+        print("fedavg rows: 'x baseline' = victim-it/s over the one-job replay loop's on the same jobs, this run")
     print(HEADER)
     results = []
     for name in args.models:
-        results += bench_model(name, args.jobs or DEFAULT_JOBS[name], args, device, peak, memory)
+        if name == "fedavg":
+            results += bench_fedavg(args, device, peak, memory)
+        else:
+            results += bench_model(name, args.jobs or DEFAULT_JOBS[name], args, device, peak, memory)
     end_peak = gemm_peak(device)
     print(f"fp32 GEMM peak at the end of the run: {end_peak:.0f} GFLOP/s (the % peak column uses {peak:.0f})")
     if args.lightning:
         import lightning as L
 
-        name = args.models[0]
+        name = next((m for m in args.models if m != "fedavg"), "mlp")
         model, dataset = SETTINGS[name]
         v, n = (args.jobs or DEFAULT_JOBS[name])[-1], args.iterations * 5
         module = make_module(model, dataset, v)
