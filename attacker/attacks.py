@@ -10,6 +10,9 @@ from .engine.masks import MASK_INITS, MASK_MODES
 from .engine.objectives import DISTANCES, TERMS, term_weight
 
 REPLAY_ORDERS = ("known", "unknown")
+# adam: the engine's per-job Adam rows (many jobs in one batched optimization); lbfgs: L-BFGS on the
+# images of one job at a time, masks held at their init (engine/lbfgs.py)
+OPTIMIZERS = ("adam", "lbfgs")
 
 
 class AttackConfigError(ValueError):
@@ -35,6 +38,7 @@ class AttackConfig:
     plateau_patience: int = 800
     plateau_factor: float = 0.1  # the schedule's factor (plateau: on a plateau; multistep: at each step)
     restarts: int = 1  # independent starts per victim, optimized together; the lowest loss is kept
+    optimizer: str = "adam"  # a name in OPTIMIZERS; lr is its step size (L-BFGS: 1 is the usual one)
     loss_threshold: float = 1e-5
     # The batch order of an update's local round: known (in-order batches, one set of N dummies) or
     # unknown (one copy of the N dummies per epoch, tied by the lambda_order prior; needs per-step labels).
@@ -60,6 +64,10 @@ class AttackConfig:
         if self.replay_order not in REPLAY_ORDERS:
             raise AttackConfigError(
                 f"attack {self.name}: replay_order must be one of {REPLAY_ORDERS}, got {self.replay_order!r}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise AttackConfigError(
+                f"attack {self.name}: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
             )
         if self.schedule not in SCHEDULES:
             raise AttackConfigError(

@@ -31,7 +31,7 @@ from fedsim.models import ModelSpecError
 from fedsim.run_config import SETTINGS
 
 from .attacks import PRESETS, REPLAY_ORDERS, AttackConfigError
-from .config import DEVICES, ConfigError, RunConfig, load_config, parse_config
+from .config import DEVICES, ConfigError, RunConfig, parse_config, read_config_data
 from .engine.runner import CheckpointError
 from .live import watch
 from .pipeline import RunDirError, run_attack
@@ -263,6 +263,8 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    if not isinstance(data.get("victims") or {}, dict):
+        return data  # parse_config names the problem
     victims = dict(data.get("victims") or {})
     for arg, key in (
         ("model", "model"),
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             data: dict[str, Any] = copy.deepcopy(OFFLINE_DEMO)
         elif getattr(args, "config", None):  # only `run` takes a config file; `watch` has none
-            data = load_config(args.config).to_dict()
+            data = read_config_data(args.config)
         else:
             data = {}
         cfg: RunConfig = parse_config(_apply_args(data, args))

@@ -199,6 +199,12 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: str | Path) -> RunConfig:
+    return parse_config(read_config_data(path))
+
+
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping as written, not yet validated: the CLI lays its flags over it first, so
+    that e.g. ``--model resnet18`` and the file's ``model_options`` are checked together."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -210,7 +216,9 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"cannot read config {path}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config {path} is not valid YAML: {str(err).splitlines()[0]}") from None
-    return parse_config(data or {})
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of settings, not a {type(data).__name__}")
+    return data or {}
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -61,3 +61,27 @@ class SSIMCurve(L.Callback):
 def iterations_to(points: list[tuple[int, float]], target: float = SSIM_TARGET) -> int | None:
     """The first scored iteration at which the SSIM reached ``target`` (None: never within the run)."""
     return next((it for it, ssim in points if ssim >= target), None)
+
+
+def mean_curve(points: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The jobs' mean SSIM at every scored iteration; a job that stopped holds its last value."""
+    iterations = sorted({it for job in points for it, _ in job})
+    curve = []
+    for it in iterations:
+        values = [next((s for i, s in reversed(job) if i <= it), None) for job in points if job]
+        values = [v for v in values if v is not None]
+        if values:
+            curve.append((it, sum(values) / len(values)))
+    return curve
+
+
+def time_to(
+    points: list[list[tuple[int, float]]], target: float, seconds_per_iteration: float | None
+) -> tuple[int | None, float | None]:
+    """The first iteration at which the jobs' MEAN SSIM reached ``target``, and the seconds it took
+    (that iteration times ``seconds_per_iteration``, the run's wall time per iteration of all these
+    jobs); (None, None) where it never did."""
+    reached = iterations_to(mean_curve(points), target)
+    if reached is None:
+        return None, None
+    return reached, (reached * seconds_per_iteration if seconds_per_iteration is not None else None)

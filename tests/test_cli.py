@@ -73,6 +73,18 @@ def test_run_from_config_with_recovered_labels(tmp_path, capsys):
     assert {r["labels"] for r in rows} == {"recovered"} and {r["p"] for r in rows} == {0.5}
 
 
+def test_command_line_model_is_checked_with_the_files_model_options(tmp_path, capsys):
+    # the file's options belong to the model the flags choose, not to the default model
+    cfg = tmp_path / "attack.yaml"
+    cfg.write_text("victims: {model_options: {norm: group}}\nlpips: false\n")
+    args = ["run", str(cfg), "--model", "resnet18", "--dataset", "cifar10", "--p", "0.25", "--victims", "1"]
+    code, text = _run(
+        [*args, "--attacks", "ig_eval", "--iterations", "1", "--out", str(tmp_path / "r"), "--quiet"], capsys
+    )
+    assert code == 0, text
+    assert "norm: group" in (tmp_path / "r" / "config.yaml").read_text()
+
+
 def test_run_on_the_papers_victim_file(tmp_path, capsys):
     victims = paper_victims_or_skip("mnist")
     code, text = _run(
@@ -133,6 +145,7 @@ def test_bad_arguments_give_one_clear_line(args, message, tmp_path, capsys):
         ("victims: [1, 2]\n", "victims must be a mapping"),
         ("victims: {model: mlp\n", "not valid YAML"),
         ("labels: guessed\n", "labels must be"),
+        ("- dia\n", "must be a mapping of settings, not a list"),
     ],
 )
 def test_bad_config_files(content, message, tmp_path, capsys):

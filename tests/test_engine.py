@@ -12,6 +12,7 @@ from attacker.engine.runner import EpochCheckpoint, run_jobs
 from attacker.jobs import VictimJob, jobs_from_images
 from attacker.labels import recover_labels
 from fedsim.models import ModelSpec, build_model, mask_shapes, set_dropout_mode, set_masks
+from fedsim.models.dropout import MaskedDropout
 
 
 def _fit(module, max_epochs=1, callbacks=(), ckpt_path=None):
@@ -202,6 +203,28 @@ def test_analytical_masks_recover_true_masks_for_mlp(mnist_like):
     masks = analytical_masks(model, jobs[0].gradient, shapes, 0.25)
     for got, true in zip(masks, oracles[0].masks):
         assert torch.equal(got, true)
+
+
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+def test_analytical_masks_recover_a_dropout_before_the_classifier(model):
+    # LeNet and ResNet drop the features right before their Linear classifier: the classifier's
+    # weight gradient has an all-zero column exactly where a feature was dropped (B = 1).
+    x = torch.rand(1, 3, 32, 32)
+    spec = ModelSpec(model, "cifar10", 0.5, options={"norm": "group"} if model == "resnet18" else {})
+    jobs, oracles = jobs_from_images(spec, [(x, torch.tensor([3]))])
+    shapes = [m.shape for m in oracles[0].masks]
+    net = build_model(spec)
+    masks = analytical_masks(net, jobs[0].gradient, shapes, 0.5, torch.Generator().manual_seed(0))
+    true = oracles[0].masks[0].float()
+    assert len(masks) == 1 and 0 < int(true.sum()) < shapes[0][1]
+    # Exact wherever the feature itself is non-zero (after ReLU and pooling some are 0: any mask fits there).
+    inputs = []
+    dropout = next(m for m in net.modules() if isinstance(m, MaskedDropout))
+    dropout.register_forward_hook(lambda _m, args, _out: inputs.append(args[0].detach()))
+    net.eval()(x)
+    live = inputs[0] != 0
+    assert live.float().mean() > 0.5
+    assert torch.equal(masks[0][live], true[live]) and not (masks[0] > true).any()
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -25,6 +25,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from ..attacks import AttackConfig
 from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
+from .lbfgs import ImageLBFGS
 from .masks import mask_mode
 from .matching import Matcher
 from .objectives import DISTANCES, TERMS, TermInputs, term_weight
@@ -80,6 +81,13 @@ class InversionModule(LightningModule):
         # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
         adam = first.plan is not None and first.plan.optimizer.name == "adam"
         self.smoothing_ends = [smoothing_end(a) if adam else None for a in attacks]
+        # L-BFGS (attacks.OPTIMIZERS) takes one job's images; its masks stay at their init (engine/lbfgs.py).
+        self.lbfgs: ImageLBFGS | None = None
+        if attacks[0].optimizer == "lbfgs":
+            if self.V != 1 or any(a.optimizer != "lbfgs" for a in attacks):
+                raise ValueError("an L-BFGS attack runs one job per module")
+            for stack in self.unknowns.mask_stacks:
+                stack.requires_grad_(False)
         # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
         # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
         self.distance_names = sorted({a.distance for a in attacks})
@@ -163,6 +171,8 @@ class InversionModule(LightningModule):
         if not active:
             self.trainer.should_stop = True
             return None
+        if self.lbfgs is not None or self.attacks[0].optimizer == "lbfgs":
+            return self.lbfgs_step()
         ended = [j for j in active if self.smoothing_ends[j] == self.state.iteration]
         if ended:  # the best iterate and the plateau rule restart on the final objective
             self.state.restart_tracking(ended)
@@ -182,6 +192,24 @@ class InversionModule(LightningModule):
         if not running:
             self.trainer.should_stop = True
         return None
+
+    def lbfgs_step(self) -> None:
+        """One L-BFGS iteration of the module's one job: the same bookkeeping as an Adam iteration (the
+        loss at the iterate it starts from, the best iterate, the stopping rules); no lr schedule."""
+        if self.lbfgs is None:  # built on the device the Trainer chose; a resumed run restarts its history
+            box = (self.unknowns.box_low, self.unknowns.box_high) if self.attacks[0].boxed else None
+            self.lbfgs = ImageLBFGS(self.unknowns.image_stack, self.attacks[0].lr, box)
+        value, point = self.lbfgs.step(lambda: self.job_losses([0])[0].sum(), self.manual_backward)
+        improved, _ = self.state.observe([0], [value], self.attacks)
+        if improved:
+            with torch.no_grad():
+                self.unknowns.best_images.copy_(point)
+        if self.lbfgs.stuck and self.active():
+            self.state.status[0] = "converged"  # nothing left to try: waiting out the patience changes nothing
+        self.state.iteration += 1
+        self.log("loss_mean", value, prog_bar=True, on_step=True, batch_size=1)
+        if not self.active():
+            self.trainer.should_stop = True
 
     def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
         """One optimizer step of each of ``jobs`` after the backward pass (Adam on their rows, then each

@@ -35,25 +35,37 @@ def analytical_masks(
     p: float,
     generator: torch.Generator | None = None,
 ) -> list[Tensor]:
-    """Paper eq. 7 (B = 1): a neuron of a fully-connected layer was dropped iff its row of that
-    layer's weight gradient is all zero. Applies to dropout layers whose mask is (1, n) right after
-    a Linear with n outputs; every other layer falls back to Bernoulli(1 - p)."""
+    """Paper eq. 7 (B = 1), from either side of a dropout layer whose mask is (1, n):
+
+    * after a Linear with n outputs (the MLP): a neuron was dropped iff its ROW of that layer's weight
+      gradient is all zero;
+    * before a Linear with n inputs (LeNet's and ResNet's classifier): the weight gradient of that
+      Linear is δᵀ(m ⊙ h), so a feature was dropped iff its COLUMN is all zero (or its input was 0,
+      where the mask does not matter).
+
+    Every other layer (and B > 1, where a zero needs every image's mask to be 0) falls back to
+    Bernoulli(1 - p)."""
     grads = dict(zip([n for n, _ in model.named_parameters()], gradient))
-    last_linear: str | None = None
+    leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
     masks = []
-    layer_index = 0
-    for name, module in model.named_modules():
+    last_linear: str | None = None
+    for k, (name, module) in enumerate(leaves):
         if isinstance(module, nn.Linear):
             last_linear = name
-        elif isinstance(module, MaskedDropout):
-            shape = shapes[layer_index]
-            layer_index += 1
-            weight_grad = grads.get(f"{last_linear}.weight") if last_linear is not None else None
-            if weight_grad is not None and len(shape) == 2 and shape[0] == 1 and weight_grad.shape[0] == shape[1]:
-                masks.append((weight_grad.abs().sum(1) > 0).float().reshape(shape))
-            else:
-                masks.append(init_mask(shape, p, "bernoulli", generator))
-            last_linear = None  # a mask only follows the Linear right before it
+            continue
+        if not isinstance(module, MaskedDropout):
+            continue
+        shape = shapes[len(masks)]
+        after = grads.get(f"{last_linear}.weight") if last_linear is not None else None
+        following = leaves[k + 1] if k + 1 < len(leaves) else None
+        before = grads.get(f"{following[0]}.weight") if following and isinstance(following[1], nn.Linear) else None
+        last_linear = None  # a mask only follows the Linear right before it
+        if len(shape) == 2 and shape[0] == 1 and after is not None and after.shape[0] == shape[1]:
+            masks.append((after.abs().sum(1) > 0).float().reshape(shape))
+        elif len(shape) == 2 and shape[0] == 1 and before is not None and before.shape[1] == shape[1]:
+            masks.append((before.abs().sum(0) > 0).float().reshape(shape))
+        else:
+            masks.append(init_mask(shape, p, "bernoulli", generator))
     return masks
 
 
@@ -90,10 +102,12 @@ def _oracle(ctx: MaskContext) -> list[Tensor]:
 
 
 def _learn(ctx: MaskContext) -> list[Tensor]:
-    if ctx.mask_init == "analytical":
-        if ctx.gradient is None:
-            raise ValueError("the analytical mask init reads a one-step gradient; an update needs another mask_init")
+    # The analytical init reads a one-step gradient; an update (K steps' masks mixed in one Δ) takes
+    # Bernoulli(1 - p), as analytical_masks does for any layer its rule does not reach.
+    if ctx.mask_init == "analytical" and ctx.gradient is not None:
         return analytical_masks(ctx.model, ctx.gradient, ctx.shapes, ctx.p, ctx.generator)
+    if ctx.mask_init == "analytical":
+        return [init_mask(s, ctx.p, "bernoulli", ctx.generator) for s in ctx.shapes]
     return [init_mask(s, ctx.p, ctx.mask_init, ctx.generator) for s in ctx.shapes]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..profiles import DEFAULT_PROFILE, profile_settings
+from ..profiles import BASE_PROFILE, profile_settings
 from .gradients import MatchTerms
 
 EPS = 1e-8
@@ -104,7 +104,7 @@ def position_embedding_term(inputs: TermInputs) -> Tensor:
     return param_cosine_distance(inputs.match, "pos_embedding")
 
 
-@term("tv_weight", default=lambda model: profile_settings(DEFAULT_PROFILE, model)["tv_weight"])
+@term("tv_weight", default=lambda model: profile_settings(BASE_PROFILE, model)["tv_weight"])
 def total_variation_term(inputs: TermInputs) -> Tensor:
     return total_variation(inputs.images, inputs.num_jobs)
 

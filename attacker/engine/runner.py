@@ -128,11 +128,13 @@ def run_jobs(
         cap = min(max_jobs_per_group, model_family(jobs[group[0]].spec.name).group_caps.get(kind, max_jobs_per_group))
         for start in range(0, len(group), cap):
             groups.append(group[start : start + cap])
-    # BatchNorm models cannot batch jobs: split them into single-job groups.
+    # BatchNorm models cannot batch jobs, nor can L-BFGS (one objective per optimizer): single-job groups.
     split = []
     for group in groups:
         batched = PerJobGradients.check(model_from_job(jobs[group[0]])) is None
-        split.extend([group] if batched else [[i] for i in group])
+        alone = [i for i in group if not batched or attacks[i].optimizer == "lbfgs"]
+        rest = [i for i in group if i not in alone]
+        split.extend([[i] for i in alone] + ([rest] if rest else []))
     for g, group in enumerate(split):
         module = InversionModule(
             [jobs[i] for i in group],

@@ -4,6 +4,7 @@ pieces (CSV text, PNG bytes, mean ± std, the per-run summary keys) come from :m
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from matplotlib.figure import Figure
 
 from fedsim.atomic import atomic_write
 
+from ..curves import time_to
 from ..report import SUMMARY_KEYS, csv_text, figure_png, fmt_mean_std
 from .frontier import defense_fields, epsilon_text, frontier_figure, level_text
 from .layout import accuracy_dir, cell_dir, run_state
@@ -53,6 +55,26 @@ def _accuracy(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | Non
         "best": 100 * float(res["best_accuracy"]),
         "rounds": int(res.get("rounds_run", settings.fl_rounds)),
     }
+
+
+def time_to_paper(run_dir: Path, attack: str, metrics: list[dict], target: float | None) -> tuple[Any, Any]:
+    """(iterations, seconds) until the attack's mean SSIM curve (paper space) reached the paper's value.
+    Seconds: the attack's share of the cell's wall time (its share of the victim-iterations), per
+    iteration of its jobs, times that iteration."""
+    if target is None or not (run_dir / "ssim_curves.csv").is_file():
+        return None, None
+    points: dict[str, list[tuple[int, float]]] = {}
+    with open(run_dir / "ssim_curves.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["attack"] == attack:
+                points.setdefault(r["job"], []).append((int(r["iteration"]), float(r["ssim_paper"])))
+    iterations = [int(m["iterations"]) for m in metrics if m.get("attack") == attack]
+    total = sum(int(m["iterations"]) for m in metrics)
+    seconds = (_load_json(run_dir / "run.json") or {}).get("seconds")
+    per_iteration = (
+        seconds * sum(iterations) / total / (sum(iterations) / len(iterations)) if seconds and total else None
+    )
+    return time_to(list(points.values()), target, per_iteration)
 
 
 def collect_rows(
@@ -108,6 +130,9 @@ def collect_rows(
                 paper = cell.paper.get(attack) or {}
                 row["paper_ssim"] = paper.get("ssim")
                 row["paper_mmd"] = paper.get("mmd")
+                row["iters_to_paper"], row["seconds_to_paper"] = time_to_paper(
+                    run_dir, attack, metrics, row["paper_ssim"]
+                )
                 if exp.accuracy is not None:
                     row["paper_accuracy"] = cell.paper.get("accuracy")
                     row["accuracy_final"] = acc["final"] if acc else None
@@ -257,6 +282,9 @@ def _table(exp: Experiment, erows: list[dict[str, Any]]) -> list[str]:
     curves = any(r.get("reached_ssim90") is not None for r in erows)
     if curves:
         head.append("iterations to SSIM 0.9 (reached)")
+    to_paper = any(r.get("paper_ssim") is not None and r["status"] == "finished" for r in erows)
+    if to_paper:
+        head.append("time to the paper's SSIM (its / s)")
     if has_mmd:
         head += ["MMD (ours)", "MMD paper"]
     if has_acc:
@@ -294,6 +322,17 @@ def _table(exp: Experiment, erows: list[dict[str, Any]]) -> list[str]:
                 else f"{mean:.0f} ({reached}/{r['victims'] or '?'})"
                 if mean is not None
                 else f"never (0/{r['victims'] or '?'})"
+            )
+        if to_paper:
+            its, secs = r.get("iters_to_paper"), r.get("seconds_to_paper")
+            cells.append(
+                "–"
+                if r.get("paper_ssim") is None or r["status"] != "finished"
+                else "not reached"
+                if its is None
+                else f"{its:,} / {secs:.0f} s"
+                if secs is not None
+                else f"{its:,}"
             )
         if has_mmd:
             cells += [fmt_mean_std(r["mmd_mean"], r["mmd_std"]), fmt_mean_std(r["paper_mmd"], digits=2)]
