@@ -28,7 +28,8 @@ from rich.table import Table
 from fedsim.capture import CaptureError
 from fedsim.data import DataUnavailableError, VictimFileError
 from fedsim.models import ModelSpecError
-from fedsim.run_config import SETTINGS
+from fedsim.models.own import trust_factory
+from fedsim.run_config import SETTINGS, RunConfigError, model_options
 
 from .attacks import PRESETS, REPLAY_ORDERS, AttackConfigError
 from .config import DEVICES, ConfigError, RunConfig, parse_config, read_config_data
@@ -70,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--out", help="run folder (default: runs/<command>-<time>)")
         for key in ("model", "dataset", "p", "victim-batch-size", "data-root", "labels"):
             shared(p, key)
+        # Your own model's keyword options (a JSON object, as the federation's --model-options takes them).
+        p.add_argument("--model-options", metavar="JSON", help=SETTINGS["model-options"].help)
         p.add_argument("--seed", type=int, help="seed of the dummies, masks and victim sampling of the attack")
         p.add_argument("--victims", type=int, help="number of victim images")
         p.add_argument("--victim-file", help="a victim file (torch.save dict of normalized inputs and targets)")
@@ -277,6 +280,11 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         value = getattr(args, arg)
         if value is not None:
             victims[key] = value
+    if getattr(args, "model_options", None) is not None:
+        try:
+            victims["model_options"] = model_options({"model-options": args.model_options})
+        except RunConfigError as err:
+            raise ConfigError(str(err)) from None
     paper = getattr(args, "paper_victims", False)
     if args.victim_file and paper:
         raise ConfigError("--victim-file and --paper-victims exclude each other: give one")
@@ -369,6 +377,7 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    trust_factory(getattr(args, "model", None))  # typed by the user: theirs to import (fedsim.models.own)
     if args.command == "presets":
         table = Table(title="attack presets")
         for col in ("name", "masks", "distance", "lambda_pos", "lambda_mask", "lr", "max_iterations"):
@@ -407,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             data: dict[str, Any] = copy.deepcopy(OFFLINE_DEMO)
         elif getattr(args, "config", None):  # only `run` takes a config file; `watch` has none
             data = read_config_data(args.config)
+            victims = data.get("victims")
+            if isinstance(victims, dict) and isinstance(victims.get("model"), str):
+                trust_factory(victims["model"])  # the user's own config file, given on the command line
         else:
             data = {}
         cfg: RunConfig = parse_config(_apply_args(data, args))

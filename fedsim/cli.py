@@ -127,7 +127,12 @@ def _new_run_dir(args: argparse.Namespace, cfg: dict[str, Any]) -> str:
     if args.run_dir is not None or "run-dir" in to_run_config(_set_pairs(args)):
         return cfg["run-dir"]
     base = args.run_config_defaults.get("run-dir", DEFAULTS["run-dir"])
-    return f"{base}/{time.strftime('%Y%m%d-%H%M%S')}-{cfg['model']}-{cfg['dataset']}-p{cfg['p']}"
+    return f"{base}/{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg['model'])}-{cfg['dataset']}-p{cfg['p']}"
+
+
+def _slug(model: str) -> str:
+    """A model name fit for a folder name: your own model's ``module.path:factory`` without the colon."""
+    return model.replace(":", "-").replace("/", "-")
 
 
 def _check_new_folder(path: str | Path, what: str) -> Path:
@@ -210,7 +215,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise UsageError(f"--p repeats a value: {' '.join(f'{p:g}' for p in ps)}")
     base = cells[0]
     out = _check_new_folder(
-        args.out or f"{SWEEP_OUT}/{time.strftime('%Y%m%d-%H%M%S')}-{base['model']}-{base['dataset']}", "--out folder"
+        args.out or f"{SWEEP_OUT}/{time.strftime('%Y%m%d-%H%M%S')}-{_slug(base['model'])}-{base['dataset']}",
+        "--out folder",
     )
     _check_model_and_data(base)
     for cell in cells:
@@ -466,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     captures) is one red line ``error: ...`` and exit 2, with nothing written; argparse's own usage
     errors exit 2 as well."""
     args = build_parser().parse_args(argv)
+    from fedsim.models.own import trust_factory
+
+    # the model the user names here is theirs to import (fedsim.models.own: names from elsewhere are not)
+    trust_factory(getattr(args, "model", None))
+    for item in getattr(args, "set", None) or []:
+        key, _, value = item.partition("=")
+        if key.strip() == "model":
+            trust_factory(value.strip())
     try:
         return int(args.func(args) or 0)
     except _user_errors() as err:

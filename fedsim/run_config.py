@@ -160,14 +160,20 @@ _UNIT = Range(0, 1)
 
 SCHEMA: tuple[Setting, ...] = (
     # model
-    Setting("model", "mlp", "model name (fedsim.models: mlp, vit, vit_b16, lenet, resnet18)", group="model"),
+    Setting(
+        "model",
+        "mlp",
+        "model name (fedsim.models: mlp, vit, vit_b16, lenet, resnet18), or your own: module.path:factory "
+        "(a callable returning an nn.Module) or timm:NAME (docs/usage.md)",
+        group="model",
+    ),
     Setting("dataset", "mnist", "dataset (mnist, cifar10, imagenet)", group="model"),
     Setting("p", 0.25, "dropout rate of the model", range=Range(0, 1, high_open=True), group="model"),
     Setting("model-seed", 0, "seed of the initial global model", group="model"),
     Setting(
         "model-options",
         "{}",
-        "JSON object of build_model options, e.g. '{\"width\": 64}'",
+        "JSON object of build_model options (your own model: its factory's keyword arguments), e.g. '{\"width\": 64}'",
         check=_check_model_options,
         group="model",
     ),

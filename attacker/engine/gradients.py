@@ -24,6 +24,7 @@ dense form stays for targets whose rank is not small (early convolutions, ViT la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -236,17 +237,22 @@ class PerJobGradients:
         return {self.names[i]: f[0].shape[2] for i, f in self.factors.items()}
 
     def compute(self, x: Tensor, labels: Tensor, num_jobs: int) -> MatchTerms:
-        captured: list[tuple[Tensor, Tensor]] = []
-        hooks = [
-            module.register_forward_hook(lambda _m, inp, out: captured.append((inp[0], out)))
-            for module, _ in self.layers
-        ]
+        # Kept by layer, not by call order: a model may register its layers in another order than it runs
+        # them (a user's own model); self.layers is in registration order.
+        captured: list[tuple[Tensor, Tensor]] = [None] * len(self.layers)  # type: ignore[list-item]
+        runs = [0]
+
+        def keep(i: int, _m: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
+            captured[i] = (inp[0], out)
+            runs[0] += 1
+
+        hooks = [module.register_forward_hook(partial(keep, i)) for i, (module, _) in enumerate(self.layers)]
         try:
             logits = self.model(x)
         finally:
             for h in hooks:
                 h.remove()
-        if len(captured) != len(self.layers):
+        if runs[0] != len(self.layers) or any(c is None for c in captured):
             raise UnsupportedModelError("a parametrized layer ran more or fewer than once per forward pass")
         # Each job's loss is the mean cross-entropy over its own images, as the client computed it.
         loss = F.cross_entropy(logits, labels, reduction="none").view(num_jobs, -1).mean(1).sum()

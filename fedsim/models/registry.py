@@ -1,4 +1,5 @@
-"""Build any model of the paper from a name, a dataset and the dropout rate p.
+"""Build any model of the paper, or your own (``own``: ``module.path:factory``, ``timm:NAME``), from a
+name, a dataset and the dropout rate p.
 
 A ``ModelSpec`` is plain data (JSON-serializable) so that captures and results can say exactly
 which model they belong to, and rebuild it bit for bit from its seed.
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import own
+from .errors import ModelSpecError
 from .lenet import LeNet
 from .mlp import MLP
 from .resnet import build_resnet18
@@ -26,10 +29,6 @@ DATASET_SHAPES: dict[str, tuple[int, int, int]] = {
 }
 
 VIT_B16 = dict(patch_size=16, dim=768, depth=12, heads=12, dim_head=64, mlp_dim=3072)
-
-
-class ModelSpecError(ValueError):
-    """A model spec that cannot be built (unknown name, dataset, option, or impossible value)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,8 @@ class ModelFamily:
     name: str
     # (spec, channels, image size, classes, options) -> the model, built with the spec's dropout rate.
     construct: Callable[[ModelSpec, int, int, int, dict[str, Any]], nn.Module]
-    options: frozenset[str] = frozenset()
+    # The options it accepts; None: any, the model's own constructor judges them (own models).
+    options: frozenset[str] | None = frozenset()
     # The paper feeds MNIST to the CNNs as 3-channel images (its Parameters check; tests/test_models.py).
     three_channel: bool = False
     check: Callable[[ModelSpec], str | None] | None = None  # why a spec cannot be built, or None
@@ -140,15 +140,21 @@ MODELS: dict[str, ModelFamily] = {
             attack_family="resnet",
             group_caps={"cpu": 16, "gpu": 64},
         ),
+        # Your own model (own.py): any name with a ':' resolves to one of these (model_family); the
+        # attack settings are the profile's generic entry, and there is no group cap of its own.
+        ModelFamily(own.CALLABLE_KEY, own.from_callable, None, check=own.check_callable),
+        ModelFamily(own.TIMM_KEY, own.from_timm, None, check=own.check_timm),
     )
 }
 
 
 def model_family(name: str) -> ModelFamily:
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise ModelSpecError(f"unknown model {name!r}; choose from {sorted(MODELS)}") from None
+    """The table entry of ``name``: its own, or for ``module.path:factory`` and ``timm:NAME`` the generic
+    entry of that kind (``own.own_model_key``)."""
+    key = name if name in MODELS else own.own_model_key(name)
+    if key is None or key not in MODELS:
+        raise ModelSpecError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    return MODELS[key]
 
 
 def validate_spec(spec: ModelSpec) -> None:
@@ -157,10 +163,10 @@ def validate_spec(spec: ModelSpec) -> None:
         raise ModelSpecError(f"unknown dataset {spec.dataset!r}; choose from {sorted(DATASET_SHAPES)}")
     if isinstance(spec.p, bool) or not isinstance(spec.p, (int, float)) or not 0.0 <= spec.p < 1.0:
         raise ModelSpecError(f"dropout rate p must be a number in [0, 1), got {spec.p!r}")
-    unknown = set(spec.options) - family.options
+    unknown = set(spec.options) - family.options if family.options is not None else set()
     if unknown:
         raise ModelSpecError(
-            f"unknown option(s) {sorted(unknown)} for model {spec.name!r}; allowed: {sorted(family.options)}"
+            f"unknown option(s) {sorted(unknown)} for model {spec.name!r}; allowed: {sorted(family.options or ())}"
         )
     problem = family.check(spec) if family.check is not None else None
     if problem:
