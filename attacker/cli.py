@@ -79,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--captures", help="a federated run folder: attack its captured gradients")
         p.add_argument("--attacks", nargs="+", help=f"attack presets: {', '.join(PRESETS)}")
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
-        p.add_argument("--profile", choices=list(PROFILES), help="attack settings per model family (default: paper)")
+        p.add_argument(
+            "--profile", choices=list(PROFILES), help=f"attack settings per model family (default: {DEFAULT_PROFILE})"
+        )
         p.add_argument("--device", choices=DEVICES, help="auto: a GPU when there is one (default)")
         p.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
         p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from fedsim.task import local_plan
 
 from .attacks import AttackConfig, AttackConfigError, make_attack
 from .engine.inversion import CHECKPOINT_EVERY
-from .profiles import DEFAULT_PROFILE, ProfileError, check_profile, profile_settings
+from .profiles import BASE_PROFILE, DEFAULT_PROFILE, ProfileError, check_profile, profile_settings
 
 # auto: a GPU when there is one; gpu and cuda: an NVIDIA GPU; mps: Apple's (Lightning's accelerator names).
 DEVICES = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -77,11 +78,20 @@ class RunConfig:
     def attack_configs(self) -> list[AttackConfig]:
         return [make_attack(name, **self.attack_overrides) for name in self.attacks]
 
-    def for_model(self, attack: AttackConfig, spec: ModelSpec) -> AttackConfig:
+    def for_model(
+        self, attack: AttackConfig, spec: ModelSpec, fits: Callable[[AttackConfig], bool] | None = None
+    ) -> AttackConfig:
         """``attack`` with the profile's settings for ``spec``'s family and dataset, except where the
-        config's attack_overrides set them (the user's word wins)."""
+        config's attack_overrides set them (the user's word wins). ``fits`` says whether the job can take
+        the settings (an L-BFGS entry needs masks it does not have to learn: engine/lbfgs.py); where it
+        cannot, the job takes the paper's settings for the family."""
         settings = profile_settings(self.profile, spec.name, spec.dataset)
-        return replace(attack, **{k: v for k, v in settings.items() if k not in self.attack_overrides})
+        fitted = replace(attack, **{k: v for k, v in settings.items() if k not in self.attack_overrides})
+        lbfgs = fitted.optimizer == "lbfgs" and "optimizer" not in self.attack_overrides
+        if fits is not None and lbfgs and not fits(fitted):
+            settings = profile_settings(BASE_PROFILE, spec.name, spec.dataset)
+            fitted = replace(attack, **{k: v for k, v in settings.items() if k not in self.attack_overrides})
+        return fitted
 
     def model_spec(self) -> ModelSpec:
         v = self.victims

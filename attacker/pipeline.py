@@ -16,6 +16,7 @@ from fedsim.data import load_dataset, load_victim_file, paper_victims, partition
 from .attacks import AttackConfig
 from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
+from .engine.lbfgs import lbfgs_fits
 from .engine.replay import unroll_bytes
 from .engine.runner import run_jobs
 from .jobs import (
@@ -178,6 +179,14 @@ def _pair(
     model family (``RunConfig.for_model``); an attack with restarts runs its job that many times, each
     from its own start (the job id seeds the dummies)."""
     pairs = Pairs()
+    built: dict[str, torch.nn.Module] = {}
+
+    def models(job: VictimJob) -> torch.nn.Module:  # one model per spec, only when a profile asks
+        key = json.dumps(job.spec.to_dict(), sort_keys=True)
+        if key not in built:
+            built[key] = model_from_job(job)
+        return built[key]
+
     for attack in attack_cfgs:
         for job, oracle in zip(jobs, oracles):
             if job.plan is not None and not attack.replay:  # the baseline: Δ/(lr·K) as one gradient
@@ -193,7 +202,7 @@ def _pair(
                     job = unknown_order(job)
                 except BatchOrderError as err:
                     raise ConfigError(f"attack {attack.name}: {err}") from None
-            fitted = cfg.for_model(attack, job.spec)
+            fitted = cfg.for_model(attack, job.spec, lambda a, job=job: lbfgs_fits(job, a, models(job)))
             for r in range(fitted.restarts):
                 pairs.jobs.append(job if r == 0 else replace(job, job_id=f"{job.job_id}+restart{r}"))
                 pairs.attacks.append(fitted)

@@ -76,3 +76,27 @@ def test_a_stuck_lbfgs_job_ends_as_converged(tmp_path):
     attack = make_attack("ig_eval", optimizer="lbfgs", lr=1.0, max_iterations=3_000, patience=3_000, loss_threshold=0.0)
     (result,) = run_jobs(jobs, [attack], None, tmp_path, checkpoint_every=500, progress=False)
     assert result.status == "converged" and result.iterations < 3_000
+
+
+def test_the_strong_profile_takes_lbfgs_only_where_the_masks_need_no_learning():
+    from attacker.config import parse_config
+    from attacker.engine.lbfgs import lbfgs_fits
+    from attacker.jobs import model_from_job
+
+    gen = torch.Generator().manual_seed(2)
+    cfg = parse_config({"profile": "strong"})
+    one = jobs_from_images(
+        ModelSpec("lenet", "cifar10", 0.5), [(torch.rand(1, 3, 32, 32, generator=gen), torch.tensor([1]))]
+    )[0][0]
+    two = jobs_from_images(
+        ModelSpec("lenet", "cifar10", 0.5), [(torch.rand(2, 3, 32, 32, generator=gen), torch.tensor([1, 2]))]
+    )[0][0]
+
+    def fitted(job, name):
+        return cfg.for_model(make_attack(name), job.spec, lambda a: lbfgs_fits(job, a, model_from_job(job)))
+
+    assert fitted(one, "dia").optimizer == "lbfgs" and fitted(one, "dia").tv_weight == 1e-3
+    assert fitted(one, "wiig").optimizer == "lbfgs"
+    # B = 2: the masks are not read from the gradient, DIA must learn them: the paper's settings
+    assert (fitted(two, "dia").optimizer, fitted(two, "dia").lr, fitted(two, "dia").tv_weight) == ("adam", 0.1, 1e-2)
+    assert fitted(one, "ig_train").optimizer == "adam"  # fresh random masks each iteration

@@ -15,9 +15,14 @@ clamp on them breaks the curvature model the line search relies on.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from fedsim.models import mask_shapes
+
+from .masks import analytical_rules, mask_mode
 
 HISTORY = 100  # curvature pairs kept (the DLG code's setting; torch's default is also 100)
 LINE_SEARCH = 25  # evaluations the strong-Wolfe line search may take per iteration (torch's own cap)
@@ -88,3 +93,20 @@ class ImageLBFGS:
     def stuck(self) -> bool:
         """Not even a fresh start from -g moved the images: no descent is left inside the box."""
         return self.still >= 2
+
+
+def lbfgs_fits(job: Any, attack: Any, model: torch.nn.Module) -> bool:
+    """Whether L-BFGS can take ``job`` under ``attack`` (a VictimJob and an AttackConfig): a one-step
+    capture (where it was measured), masks that are fixed (IG (eval), WIIG) or, for DIA, read exactly
+    from the gradient (``mask_init: analytical`` at B = 1 with a rule for every dropout layer). Fresh
+    random masks per iteration (IG (train)) would make its line search chase noise."""
+    if job.plan is not None:
+        return False
+    kind = mask_mode(attack.masks, job.p).kind
+    if kind == "random":
+        return False
+    if kind == "const":
+        return True
+    shapes = mask_shapes(model, torch.zeros(job.batch_size, *job.spec.input_shape))
+    rules = analytical_rules(model, shapes)
+    return attack.mask_init == "analytical" and job.batch_size == 1 and all(r is not None for r in rules)

@@ -28,26 +28,20 @@ def init_mask(shape: torch.Size, p: float, method: str, generator: torch.Generat
     return mask.clamp_(0.0, 1.0)
 
 
-def analytical_masks(
-    model: nn.Module,
-    gradient: list[Tensor],
-    shapes: list[torch.Size],
-    p: float,
-    generator: torch.Generator | None = None,
-) -> list[Tensor]:
-    """Paper eq. 7 (B = 1), from either side of a dropout layer whose mask is (1, n):
+def analytical_rules(model: nn.Module, shapes: list[torch.Size]) -> list[tuple[str, str] | None]:
+    """Per dropout layer, where paper eq. 7 (B = 1) reads its mask from the gradient, for a layer whose
+    mask is (1, n):
 
-    * after a Linear with n outputs (the MLP): a neuron was dropped iff its ROW of that layer's weight
+    * ("row", W) after a Linear W with n outputs (the MLP): a neuron was dropped iff its ROW of W's
       gradient is all zero;
-    * before a Linear with n inputs (LeNet's and ResNet's classifier): the weight gradient of that
-      Linear is δᵀ(m ⊙ h), so a feature was dropped iff its COLUMN is all zero (or its input was 0,
-      where the mask does not matter).
+    * ("column", W) before a Linear W with n inputs (LeNet's and ResNet's classifier): W's gradient is
+      δᵀ(m ⊙ h), so a feature was dropped iff its COLUMN is all zero (or its input was 0, where the mask
+      does not matter);
 
-    Every other layer (and B > 1, where a zero needs every image's mask to be 0) falls back to
-    Bernoulli(1 - p)."""
-    grads = dict(zip([n for n, _ in model.named_parameters()], gradient))
+    None where neither applies (and at B > 1, where a zero needs every image's mask to be 0)."""
+    weights = {n: tuple(w.shape) for n, w in model.named_parameters()}
     leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
-    masks = []
+    rules: list[tuple[str, str] | None] = []
     last_linear: str | None = None
     for k, (name, module) in enumerate(leaves):
         if isinstance(module, nn.Linear):
@@ -55,17 +49,39 @@ def analytical_masks(
             continue
         if not isinstance(module, MaskedDropout):
             continue
-        shape = shapes[len(masks)]
-        after = grads.get(f"{last_linear}.weight") if last_linear is not None else None
+        shape = tuple(shapes[len(rules)])
         following = leaves[k + 1] if k + 1 < len(leaves) else None
-        before = grads.get(f"{following[0]}.weight") if following and isinstance(following[1], nn.Linear) else None
+        after = f"{last_linear}.weight" if last_linear is not None else None
+        before = f"{following[0]}.weight" if following and isinstance(following[1], nn.Linear) else None
         last_linear = None  # a mask only follows the Linear right before it
-        if len(shape) == 2 and shape[0] == 1 and after is not None and after.shape[0] == shape[1]:
-            masks.append((after.abs().sum(1) > 0).float().reshape(shape))
-        elif len(shape) == 2 and shape[0] == 1 and before is not None and before.shape[1] == shape[1]:
-            masks.append((before.abs().sum(0) > 0).float().reshape(shape))
+        single = len(shape) == 2 and shape[0] == 1
+        if single and after in weights and weights[after][0] == shape[1]:
+            rules.append(("row", after))
+        elif single and before in weights and weights[before][1] == shape[1]:
+            rules.append(("column", before))
         else:
+            rules.append(None)
+    return rules
+
+
+def analytical_masks(
+    model: nn.Module,
+    gradient: list[Tensor],
+    shapes: list[torch.Size],
+    p: float,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
+    """Each dropout layer's mask read from the one-step gradient where ``analytical_rules`` has a rule;
+    Bernoulli(1 - p) elsewhere."""
+    grads = dict(zip([n for n, _ in model.named_parameters()], gradient))
+    masks = []
+    for shape, rule in zip(shapes, analytical_rules(model, shapes)):
+        if rule is None:
             masks.append(init_mask(shape, p, "bernoulli", generator))
+            continue
+        side, weight = rule
+        kept = grads[weight].abs().sum(1 if side == "row" else 0) > 0
+        masks.append(kept.float().reshape(shape))
     return masks
 
 
