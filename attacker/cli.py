@@ -5,6 +5,7 @@ attacker demo --capture-kind update  the same on a FedAvg training round (4 loca
 attacker run CONFIG.yaml           an attack config (see configs/attacks/)
 attacker run --model vit --dataset cifar10 --p 0.25 --paper-victims   (the paper's victims, fetched on first use)
 attacker watch RUN_DIR             attack a federated run's captures live, as the curious server writes them
+attacker audit RUN_DIR             one report on an audited federated run: the best attack per image, a verdict
 attacker presets                   the attack presets and their defaults
 attacker experiment configs/experiments/table1.yaml --victims 4 --iterations 2000
                                    a paper experiment: every cell, resumable, results.md beside the paper
@@ -119,6 +120,27 @@ def _parser() -> argparse.ArgumentParser:
     common(watch)
     watch.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the run folder")
     watch.add_argument("--timeout", type=float, help="give up after this many seconds")
+    audit = sub.add_parser("audit", help="audit a federated run: attack its captures, one report with a verdict")
+    audit.add_argument(
+        "run_dir", help="the federated run folder, run with --audit (its captures/ and oracle/ are read)"
+    )
+    audit.add_argument(
+        "--out",
+        help="audit folder (default: runs/audit-<time>); one holding a finished attack "
+        "run of the same captures is reused",
+    )
+    audit.add_argument(
+        "--attacks", nargs="+", help="attack presets (default: ig_eval dia, and wiig as the oracle's bound)"
+    )
+    audit.add_argument("--iterations", type=int, help="iteration cap per job (default: the profile's, paper 20000)")
+    audit.add_argument("--threshold", type=float, help="recognisable: [0,1] SSIM >= this, in (0, 1] (default 0.6)")
+    audit.add_argument("--model", help="the captures' own model (module.path:factory), to allow importing it")
+    audit.add_argument(
+        "--profile", choices=list(PROFILES), help=f"attack settings per model family (default: {DEFAULT_PROFILE})"
+    )
+    audit.add_argument("--device", choices=DEVICES, help="auto: a GPU when there is one (default)")
+    audit.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
+    audit.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("presets", help="list the attack presets")
     exp = sub.add_parser(
         "experiment", help="run a paper experiment (configs/experiments/*.yaml): cells, resume, report"
@@ -395,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "experiment":
             return _experiment(args)
+        if args.command == "audit":
+            from .audit import audit_command
+
+            return audit_command(args, console)
         if args.command == "demo" and not args.offline_victims:
             out = Path(args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
             overrides = {"max_iterations": args.iterations} if args.iterations else {}

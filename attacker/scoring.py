@@ -90,6 +90,11 @@ def prior_images(oracles: list[Oracle | None]) -> dict[str, torch.Tensor]:
     }
 
 
+def prior_for(priors: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor | None:
+    """The prior of one victim batch from :func:`prior_images`'s dict (None: no prior)."""
+    return priors.get(_key(images))
+
+
 def prior_score(originals: torch.Tensor, prior: torch.Tensor, mean: Any, std: Any) -> float:
     """SSIM (paper space) of the prior image against each original, averaged over the batch."""
     scored = score_batch(originals, prior.expand_as(originals).contiguous(), mean, std, match=False)
