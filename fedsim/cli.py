@@ -152,7 +152,8 @@ def _check_model_and_data(cfg: dict[str, Any]) -> None:
 
     cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())  # as the simulation resolves it
     task.make_model(cfg)
-    task.check_defense(cfg)
+    for change in task.check_defense(cfg):  # dp-fix-model: what Opacus' ModuleValidator.fix changed
+        console.print(f"dp-fix-model: {change}")
     task.load_split(cfg, train=False)
 
 

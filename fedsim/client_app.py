@@ -11,6 +11,7 @@ FedAvg allows one ArrayRecord per reply). The server keeps the oracle apart from
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from flwr.clientapp import ClientApp
 from safetensors.torch import save as st_save
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from fedsim import defenses, task
+from fedsim import defenses, dp_sgd, task
 from fedsim.client_step import StepRecord, run_local_round
 from fedsim.run_config import resolve_config
 
@@ -98,17 +99,31 @@ def handle_train(msg: Message, context: Context) -> Message:
     content = RecordDict()
     # One client step for every kind of round; a one-step capture round is one setting of it.
     captured = one_step or capture_update
-    plan = task.local_plan(cfg, one_step=one_step, seed=seed, record_masks=captured and bool(cfg["audit"]))
     images = labels = None
-    if one_step or (capture_update and int(cfg["capture-images"]) > 0):  # a victim set: small enough to reconstruct
+    victim_set = one_step or (capture_update and int(cfg["capture-images"]) > 0)
+    if victim_set:  # a victim set: small enough to reconstruct
         count = None if one_step else int(cfg["capture-images"])
         images, labels = task.victim_batch(cfg, train, indices, server_round, partition_id, count)
         data: Dataset = TensorDataset(images, labels)
     else:
         data = Subset(train, indices.tolist())
-    result = run_local_round(model, data, plan)
+    plan = task.local_plan(
+        cfg,
+        one_step=one_step,
+        seed=seed,
+        record_masks=captured and bool(cfg["audit"]),
+        num_examples=len(indices),
+        victim_set=victim_set,
+    )
+    # DP-SGD: the client's accountant lives in its context.state, so epsilon composes over its rounds.
+    accountant = dp_sgd.load_accountant(context.state) if plan.dp is not None else None
+    result = run_local_round(model, data, plan, accountant=accountant)
     arrays = ArrayRecord(result.weights)
     metrics = MetricRecord({"num-examples": len(data), "train-loss": result.mean_loss})  # type: ignore[arg-type]
+    if accountant is not None:
+        dp_sgd.save_accountant(context.state, accountant)
+        spent = dp_sgd.epsilon(accountant, float(cfg["dp-delta"]))
+        metrics["dp-epsilon-spent"] = spent if math.isfinite(spent) else -1.0  # -1: no noise, no guarantee
     mode = "one-step" if one_step else "update" if capture_update else "train"
     meta.update(
         {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from fedsim.dp_sgd import DpSgdSpec, DpSgdStep, poisson_batches
 from fedsim.models import DropoutMode, get_recorded_masks, set_dropout_mode, set_masks
 
 DROPOUT_BEHAVIOURS = ("sample", "replay", "learn", "off")
@@ -105,8 +107,12 @@ class LocalPlan:
     # Explicit index batches of every step, overriding ``schedule.batches`` (the attacker's unknown-order
     # replay: epoch e's steps run on its own copy of the images, indices e*N + i, in order).
     batches: tuple[tuple[int, ...], ...] | None = None
+    # DP-SGD (``--defense dp-sgd``): per-example clipping and noise in every step (fedsim.dp_sgd).
+    dp: DpSgdSpec | None = None
 
     def __post_init__(self) -> None:
+        if self.dp is not None and self.differentiable:
+            raise LocalPlanError("a DP-SGD round cannot be replayed differentiably yet (per-example clipping)")
         if self.dropout not in DROPOUT_BEHAVIOURS:
             raise LocalPlanError(f"dropout must be one of {DROPOUT_BEHAVIOURS}, got {self.dropout!r}")
         if self.dropout in ("replay", "learn") and self.masks is None:
@@ -181,6 +187,9 @@ OPTIMIZERS = tuple(UPDATES)
 
 
 def _gather(data: Dataset, indices: list[int]) -> tuple[Tensor, Tensor]:
+    if not indices:  # an empty Poisson batch (DP-SGD): no image, shaped like one
+        image = torch.as_tensor(data[0][0])
+        return image.new_zeros((0, *image.shape)), torch.zeros(0, dtype=torch.long)
     if isinstance(data, TensorDataset):  # fast path: no per-item Python loop
         index = torch.tensor(indices)
         images, labels = data.tensors[0][index], data.tensors[1][index]
@@ -192,7 +201,10 @@ def _gather(data: Dataset, indices: list[int]) -> tuple[Tensor, Tensor]:
 def plan_batches(plan: LocalPlan, n: int) -> list[list[int]]:
     """The index batches of every step of ``plan`` on ``n`` images: its explicit batches, else its schedule's."""
     if plan.batches is None:
-        return plan.schedule.batches(n, plan.seed)
+        batches = plan.schedule.batches(n, plan.seed)
+        if plan.dp is not None and plan.dp.poisson:  # as many steps, each a Poisson sample (Opacus' sampler)
+            return poisson_batches(n, plan.dp.sample_rate, len(batches), plan.seed)
+        return batches
     if not plan.batches or any(not b or min(b) < 0 or max(b) >= n for b in plan.batches):
         raise LocalPlanError(f"explicit batches must be non-empty and index the {n} images")
     return [list(b) for b in plan.batches]
@@ -204,12 +216,15 @@ def run_local_round(
     plan: LocalPlan,
     *,
     start: Mapping[str, Tensor] | None = None,
+    accountant: Any | None = None,
 ) -> LocalResult:
     """Run the client's local round described by ``plan`` on ``data`` (a Dataset of (image, label)).
 
     The model's parameters are the global weights unless ``start`` gives others (the attacker's
     replay passes tensors in its graph there). The model object itself is not changed, except
     for buffers such as BatchNorm's running statistics, which train as in ``model.train()``.
+    With ``plan.dp`` each step's gradient is DP-SGD's (fedsim.dp_sgd) and ``accountant`` (an Opacus
+    accountant), when given, is told every step.
     """
     batches = plan_batches(plan, len(data))  # type: ignore[arg-type]
     if plan.masks is not None and len(plan.masks) < len(batches):
@@ -233,6 +248,11 @@ def run_local_round(
         plan.dropout
     ]
     set_dropout_mode(model, mode)
+    # Copies of the start values first: the DP-SGD step writes each step's weights into the model.
+    dp_step = None
+    if plan.dp is not None:
+        global_params = {k: v.detach().clone() for k, v in global_params.items()}
+        dp_step = DpSgdStep(model, plan.dp, accountant)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(plan.seed)  # reproducible dropout masks for a given round and client
@@ -248,8 +268,12 @@ def run_local_round(
                     params[n] = p
                 if plan.masks is not None:
                     set_masks(model, list(plan.masks[t - 1]))
-                loss = F.cross_entropy(functional_call(model, params, (images,)), labels)
-                grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=plan.differentiable)
+                if dp_step is not None:
+                    loss_value, grads = dp_step.gradients(params, images, labels)
+                    loss = torch.tensor(loss_value)
+                else:
+                    loss = F.cross_entropy(functional_call(model, params, (images,)), labels)
+                    grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=plan.differentiable)
                 if plan.dropout == "sample" and plan.record_masks:
                     masks = [m.clone() for m in get_recorded_masks(model)]
                 else:
@@ -266,6 +290,8 @@ def run_local_round(
                     )
                 )
     finally:
+        if dp_step is not None:
+            dp_step.close()
         set_dropout_mode(model, DropoutMode.AUTO)
         model.train(was_training)
     # Only the replay keeps a graph; the client's own result is plain data.

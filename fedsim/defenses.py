@@ -18,7 +18,9 @@ reaches it, i.e. after the client's mods and, for server-side clipping, after th
 * local-dp: the clipped and noised update (the noise is the client's own);
 * central-dp-*: the clipped, NOT noised update: central DP adds its noise to the aggregate, after
   the server has seen every individual update, so it does not protect against this server;
-* prune: the pruned update (the attacker knows which entries survived: the nonzero ones).
+* prune: the pruned update (the attacker knows which entries survived: the nonzero ones);
+* dp-sgd: the update of a local round whose every step clipped each example's gradient and added
+  noise (Opacus, inside ``run_local_round``: fedsim.dp_sgd); the clients report the epsilon spent.
 
 Adding a defense: one :class:`Defense` entry in :data:`DEFENSES` (its client mods and/or strategy
 wrapper, built from the run config; what the attacker adapts; its accountant and frontier fields),
@@ -64,6 +66,9 @@ class Defense:
     level: str | None = None
     level_name: str = ""
     stronger_when_smaller: bool = False
+    # Runs inside the client's local round rather than as a mod on its reply: each step is DP-SGD
+    # (fedsim.dp_sgd; fedsim.task.local_plan gives the plan its DpSgdSpec). Its epsilon is the clients'.
+    in_local_round: bool = False
 
 
 def _no_mods(cfg: Mapping[str, Any]) -> list[Any]:
@@ -183,6 +188,23 @@ DEFENSES: dict[str, Defense] = {
             level="prune-fraction",
             level_name="keep",
             stronger_when_smaller=True,
+        ),
+        Defense(
+            "dp-sgd",
+            "DP-SGD in the client's local round with Opacus: per-example clipping at clip-norm, Gaussian noise "
+            "(dp-noise-from: for a total dp-epsilon at dp-delta, a fixed noise-multiplier, or none), Poisson "
+            "sampling, an RDP accountant over all the client's rounds",
+            _no_mods,
+            None,
+            "the update of the client's DP-SGD round: per-example clipped gradients and their noise, stepped",
+            "gradient captures: attacked as is (noise in the target); update captures: refused, the replay "
+            "of per-example clipping is not built yet",
+            accounted="client",
+            family="DP-SGD (Opacus)",
+            level="dp-epsilon",
+            level_name="ε total",
+            stronger_when_smaller=True,
+            in_local_round=True,
         ),
     )
 }

@@ -24,6 +24,7 @@ from typing import Any
 
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
 from fedsim.defenses import DEFENSES, NO_DEFENSE
+from fedsim.dp_sgd import NOISE_SOURCES
 
 
 class RunConfigError(ValueError):
@@ -102,13 +103,13 @@ class Setting:
         return str(value)
 
     def validate(self, value: Any) -> None:
+        if self.check is not None:  # first: a check can say more than "must be one of" (defense combinations)
+            self.check(value)
         if self.choices is not None and value not in self.choices:
             raise RunConfigError(f"{self.key} must be one of {', '.join(self.choices)}; got {value!r}")
         if self.range is not None and value not in self.range:
             bounded = self.range.low is not None and self.range.high is not None
             raise RunConfigError(f"{self.key} must be {'in ' if bounded else ''}{self.range}; got {value!r}")
-        if self.check is not None:
-            self.check(value)
 
 
 def _check_model_options(text: str) -> None:
@@ -147,6 +148,18 @@ def _check_capture_rounds(text: str) -> None:
 def _check_failure_spec(text: str) -> None:
     if text and not re.fullmatch(r"\d+:\d+(,\d+)*", text):
         raise RunConfigError(f"inject-client-failure must look like 'ROUND:PARTITION[,PARTITION...]', got {text!r}")
+
+
+def _check_defense(text: str) -> None:
+    parts = [part.strip() for part in re.split(r"[+,]", str(text)) if part.strip()]
+    if len(parts) > 1:
+        if "dp-sgd" in parts:
+            others = ", ".join(p for p in parts if p != "dp-sgd")
+            raise RunConfigError(
+                f"defense dp-sgd cannot be combined with another update-level defense ({others}): its noise and "
+                "clipping would be applied twice and its epsilon double-counted; one defense per run"
+            )
+        raise RunConfigError(f"one defense per run; got {text!r}")
 
 
 # Vocabulary the capture store, the strategy and the attacker share with the run config.
@@ -235,29 +248,36 @@ SCHEMA: tuple[Setting, ...] = (
         NO_DEFENSE,
         "defense of the clients' updates: " + "; ".join(f"{d.name}: {d.help}" for d in DEFENSES.values()),
         choices=DEFENSES.keys(),
+        check=_check_defense,
         group="defense",
     ),
     Setting(
         "clip-norm",
         1.0,
-        "DP defenses: L2 clipping norm of each client's update (local DP: also its sensitivity)",
+        "DP defenses: L2 clipping norm of each client's update (local DP: also its sensitivity; "
+        "dp-sgd: of each example's gradient)",
         range=_POSITIVE,
         group="defense",
     ),
     Setting(
         "noise-multiplier",
         1.0,
-        "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * clip-norm / sampled clients",
+        "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * clip-norm / sampled clients; "
+        "dp-sgd with dp-noise-from noise-multiplier: the noise of each step, in units of clip-norm",
         range=_POSITIVE,
         group="defense",
     ),
     Setting(
-        "dp-epsilon", 10.0, "local DP: epsilon of each client's Gaussian mechanism", range=_POSITIVE, group="defense"
+        "dp-epsilon",
+        10.0,
+        "local DP: epsilon of each client's Gaussian mechanism; dp-sgd: the target epsilon of the whole training",
+        range=_POSITIVE,
+        group="defense",
     ),
     Setting(
         "dp-delta",
         1e-5,
-        "local DP: delta of each client's Gaussian mechanism",
+        "local DP: delta of each client's Gaussian mechanism; dp-sgd: the accountant's delta (< 1/client data size)",
         range=Range(0, 1, True, True),
         group="defense",
     ),
@@ -266,6 +286,21 @@ SCHEMA: tuple[Setting, ...] = (
         0.1,
         "prune: the fraction of each update tensor's entries kept (largest magnitude)",
         range=Range(0, 1, low_open=True),
+        group="defense",
+    ),
+    Setting(
+        "dp-noise-from",
+        "epsilon",
+        "dp-sgd: the noise multiplier is derived from dp-epsilon over the whole training (epsilon), is "
+        "noise-multiplier (noise-multiplier), or 0 (none: clipping only, no guarantee)",
+        choices=NOISE_SOURCES,
+        group="defense",
+    ),
+    Setting(
+        "dp-fix-model",
+        False,
+        "dp-sgd: convert layers Opacus cannot train per example (BatchNorm -> GroupNorm) with its "
+        "ModuleValidator.fix instead of refusing the model",
         group="defense",
     ),
     # capture / audit

@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import save_file
 
-from fedsim import defenses, task
+from fedsim import defenses, dp_sgd, task
 from fedsim.atomic import atomic_path, atomic_write
 from fedsim.run_config import capture_rounds, resolve_config
 from fedsim.strategy import CuriousFedAvg
@@ -102,7 +102,11 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         "stopped_early": strategy.stopped,
         "num_captures": len(strategy.capture_paths),
         "failures": strategy.failures,
-        "privacy": defenses.privacy_spent(cfg, rounds_run, sampled, n),
+        "privacy": (
+            dp_sgd.privacy_summary(cfg, strategy.client_epsilon)
+            if defenses.get_defense(str(cfg["defense"])).in_local_round
+            else defenses.privacy_spent(cfg, rounds_run, sampled, n)
+        ),
         "wall_s": round(time.time() - t0, 3),
     }
     # Standard JSON: a value that is not a number (round 0 has no training loss) is written as null.

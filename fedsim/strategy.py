@@ -77,6 +77,8 @@ class CuriousFedAvg(FedAvg):
         self.train_metrics: dict[int, dict[str, float]] = {}
         self.num_replies: dict[int, int] = {}
         self.failures: list[dict[str, Any]] = []  # client errors and failed captures, per round
+        # dp-sgd: the epsilon each client reported it had spent, per round (round -> partition -> epsilon)
+        self.client_epsilon: dict[int, dict[int, float]] = {}
         self.stopped = False
         # aggregate_train does not receive what was sent: keep it from configure_train.
         self._sent: dict[int, tuple[ArrayRecord, dict[str, Any]]] = {}
@@ -110,6 +112,11 @@ class CuriousFedAvg(FedAvg):
         replies = list(replies)  # may be a one-shot iterable; we read it twice
         valid = [m for m in replies if not m.has_error()]
         self.num_replies[server_round] = len(valid)
+        for msg in valid:
+            if "metrics" in msg.content and "dp-epsilon-spent" in msg.content["metrics"]:
+                part = int(msg.content["meta"].get("partition-id", -1)) if "meta" in msg.content else -1
+                spent = float(msg.content["metrics"]["dp-epsilon-spent"])  # type: ignore[arg-type]
+                self.client_epsilon.setdefault(server_round, {})[part] = spent if spent >= 0 else float("inf")
         for msg in replies:
             if msg.has_error():  # a client that failed: recorded, and FedAvg goes on without it
                 self._record_failure(server_round, msg, f"client error: {msg.error.reason}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from fedsim import dp_sgd
 from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan
 from fedsim.data import dataset_labels, load_dataset, partition_dirichlet, partition_iid, sample_victims
 from fedsim.defenses import DEFENSES, check_run
@@ -25,15 +27,26 @@ def model_spec(cfg: Mapping[str, Any]) -> ModelSpec:
 
 
 def make_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
-    """The configured model, with ``state`` loaded (cast to the model's dtype) when given."""
+    """The configured model, with ``state`` loaded (cast to the model's dtype) when given. Under dp-sgd
+    with ``dp-fix-model``, converted by Opacus' ModuleValidator.fix (server and clients alike)."""
     model = build_model(model_spec(cfg))
+    if _dp_sgd(cfg) and cfg.get("dp-fix-model"):
+        model, _ = dp_sgd.fix_model(model)
     if state is not None:
         model.load_state_dict(dict(state))  # load_state_dict copies, casting float64 to float32
     return model
 
 
-def check_defense(cfg: Mapping[str, Any]) -> None:
-    """RunConfigError when the run's defense cannot be applied to its model (fedsim.defenses.check_run)."""
+def _dp_sgd(cfg: Mapping[str, Any]) -> bool:
+    return DEFENSES[str(cfg["defense"])].in_local_round
+
+
+def check_defense(cfg: Mapping[str, Any]) -> list[str]:
+    """RunConfigError when the run's defense cannot be applied to its model (fedsim.defenses.check_run)
+    or, under dp-sgd, to its model and clients' data (fedsim.dp_sgd); else what it changed in the model
+    (dp-fix-model), one line per module."""
+    if _dp_sgd(cfg):
+        return _check_dp_sgd(cfg)
     dtypes = (
         {k: v.dtype for k, v in make_model(cfg).state_dict().items()}
         if DEFENSES[str(cfg["defense"])].needs_float_state
@@ -42,6 +55,27 @@ def check_defense(cfg: Mapping[str, Any]) -> None:
     problem = check_run(cfg, dtypes)
     if problem:
         raise RunConfigError(problem)
+    return []
+
+
+def _check_dp_sgd(cfg: Mapping[str, Any]) -> list[str]:
+    model = build_model(model_spec(cfg))
+    problems = dp_sgd.model_problems(model)
+    changes: list[str] = []
+    if problems and not cfg.get("dp-fix-model"):
+        raise RunConfigError(
+            f"defense dp-sgd cannot train model {cfg['model']} per example ({problems[0]}); "
+            "--dp-fix-model converts it with Opacus' ModuleValidator.fix"
+        )
+    if problems:
+        _, changes = dp_sgd.fix_model(model)
+    # The smallest client decides: delta must stay below 1/n and the batch within its data.
+    train = load_split(cfg, train=True)
+    n = min(len(partition_indices(cfg, train, i, int(cfg["num-clients"]))) for i in range(int(cfg["num-clients"])))
+    problem = dp_sgd.check_config(cfg, n)
+    if problem:
+        raise RunConfigError(problem)
+    return changes
 
 
 @functools.lru_cache(maxsize=4)
@@ -73,11 +107,30 @@ def partition_indices(cfg: Mapping[str, Any], dataset: Dataset, partition_id: in
     return parts[partition_id]
 
 
-def local_plan(cfg: Mapping[str, Any], *, one_step: bool, seed: int, record_masks: bool = False) -> LocalPlan:
+def local_plan(
+    cfg: Mapping[str, Any],
+    *,
+    one_step: bool,
+    seed: int,
+    record_masks: bool = False,
+    num_examples: int = 0,
+    victim_set: bool = False,
+) -> LocalPlan:
     """The client's round as the run config describes it: a training round (``local-epochs`` epochs,
-    or ``local-steps`` batches, with the configured optimizer) or a one-step capture round."""
+    or ``local-steps`` batches, with the configured optimizer) or a one-step capture round. Under
+    dp-sgd, ``num_examples`` (the client's data size: its sample rate) must be given; a round on a
+    victim set (``one_step`` or ``victim_set``) keeps its fixed batches (fedsim.dp_sgd.spec_from_config)."""
+    dp = None
+    if _dp_sgd(cfg):
+        if num_examples < 1:
+            # The attacker's replay reads plans without a data size: a dp-sgd update is not replayed yet.
+            raise RunConfigError(
+                "dp-sgd: a round needs the client's data size (its sample rate); "
+                "replaying a dp-sgd update (per-example clipping) is not supported yet"
+            )
+        dp = dp_sgd.spec_from_config(cfg, num_examples, fixed_batches=one_step or victim_set)
     if one_step:
-        return one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"]))
+        return replace(one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"])), dp=dp)
     steps = int(cfg["local-steps"])
     schedule = Schedule(
         epochs=int(cfg["local-epochs"]) if steps <= 0 else 10**9,
@@ -88,7 +141,7 @@ def local_plan(cfg: Mapping[str, Any], *, one_step: bool, seed: int, record_mask
     optimizer = OptimizerSpec(
         str(cfg["optimizer"]), float(cfg["lr"]), momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0
     )
-    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed)
+    return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed, dp=dp)
 
 
 @torch.no_grad()

@@ -1,0 +1,269 @@
+"""DP-SGD on the client (``--defense dp-sgd``), with Opacus' own parts.
+
+Unlike the other defenses (Flower mods on the reply, ``fedsim.defenses``), DP-SGD lives *inside* the
+client's local round: each step's gradient is the sum of per-example gradients, each clipped to
+``clip-norm``, plus Gaussian noise of std ``noise_multiplier * clip-norm``, divided by the expected
+batch size. ``fedsim.client_step.run_local_round`` asks :class:`DpSgdStep` for that gradient when its
+plan carries a :class:`DpSgdSpec` and otherwise runs unchanged, so the optimizer arithmetic (SGD, Adam)
+is the project's one implementation in both cases.
+
+Opacus does the work: ``GradSampleModule`` computes the per-example gradients (it hooks the layers that
+have parameters; the project's ``MaskedDropout`` has none and multiplies each example by its own mask,
+so the per-example gradients of the layers after it are exact: tested), ``DPOptimizer.pre_step`` clips,
+adds the noise, scales and calls the accountant's hook, ``UniformWithReplacementSampler`` draws the
+Poisson batches and ``RDPAccountant`` composes the steps. A ClientApp is stateless between rounds, so
+the accountant's history travels in the client's ``context.state`` (:func:`load_accountant`,
+:func:`save_accountant`) and the epsilon composes over every round the client takes part in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+STATE_KEY = "dp-sgd"  # the ConfigRecord of the client's context.state that holds the accountant's history
+NOISE_SOURCES = ("epsilon", "noise-multiplier", "none")
+
+
+class DpSgdError(ValueError):
+    """A DP-SGD configuration that cannot give the guarantee it names."""
+
+
+@dataclass(frozen=True)
+class DpSgdSpec:
+    """How one local round runs DP-SGD."""
+
+    max_grad_norm: float  # per-example L2 clipping norm (C)
+    noise_multiplier: float  # noise std as a multiple of C; 0: clipping only (no guarantee)
+    sample_rate: float  # q, told to the accountant for each step
+    poisson: bool = True  # Poisson-sampled batches (Opacus' sampler); False: the plan's own batches
+    expected_batch_size: int = 0  # the divisor of the noised sum; 0: each batch's own size
+
+    def __post_init__(self) -> None:
+        if not self.max_grad_norm > 0:
+            raise DpSgdError(f"dp-sgd: the max grad norm (clip-norm) must be > 0, got {self.max_grad_norm}")
+        if self.noise_multiplier < 0:
+            raise DpSgdError(f"dp-sgd: the noise multiplier must be >= 0, got {self.noise_multiplier}")
+        if not 0 < self.sample_rate <= 1:
+            raise DpSgdError(f"dp-sgd: the sample rate must be in (0, 1], got {self.sample_rate}")
+
+
+# -- the model ----------------------------------------------------------------------------------------
+
+
+def model_problems(model: nn.Module) -> list[str]:
+    """What Opacus cannot train with per-example gradients in ``model`` (empty: nothing)."""
+    from opacus.validators import ModuleValidator
+
+    return [str(err).strip().splitlines()[0] for err in ModuleValidator.validate(model, strict=False)]
+
+
+def fix_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """``model`` converted by Opacus' ``ModuleValidator.fix`` (BatchNorm becomes GroupNorm, ...), and
+    what changed, one line per replaced module."""
+    from opacus.validators import ModuleValidator
+
+    before = {name: type(m).__name__ for name, m in model.named_modules()}
+    fixed = ModuleValidator.fix(model)
+    after = {name: type(m).__name__ for name, m in fixed.named_modules()}
+    changes = [f"{name}: {kind} -> {after[name]}" for name, kind in before.items() if after.get(name, kind) != kind]
+    return fixed, changes
+
+
+# -- the step -----------------------------------------------------------------------------------------
+
+
+def poisson_batches(n: int, sample_rate: float, steps: int, seed: int) -> list[list[int]]:
+    """``steps`` Poisson-sampled index batches of ``n`` images (each image in each batch with
+    probability ``sample_rate``; batches may be empty), drawn by Opacus' sampler from a seeded generator."""
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    sampler = UniformWithReplacementSampler(
+        num_samples=n, sample_rate=sample_rate, generator=torch.Generator().manual_seed(seed), steps=steps
+    )
+    return [[int(i) for i in batch] for batch in sampler]
+
+
+class DpSgdStep:
+    """The DP-SGD gradient of one step, for ``run_local_round``.
+
+    The model's own parameters receive each step's weights (Opacus' hooks read per-example gradients
+    from real module parameters, not from ``functional_call``'s substitutes); :meth:`close` removes the
+    hooks and puts the model's parameters back."""
+
+    def __init__(self, model: nn.Module, spec: DpSgdSpec, accountant: Any | None = None) -> None:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.model = model
+        self.spec = spec
+        self.saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        # Loss summed over the batch: per-example gradients as they are, and an empty Poisson batch
+        # (possible) gives zero gradients rather than the NaN of a mean over nothing.
+        self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = DPOptimizer(
+            torch.optim.SGD(params, lr=0.0),  # never stepped: the project's update rule steps the weights
+            noise_multiplier=spec.noise_multiplier,
+            max_grad_norm=spec.max_grad_norm,
+            expected_batch_size=max(spec.expected_batch_size, 1),
+            loss_reduction="mean",  # divide the noised sum by the expected batch size
+        )
+        if accountant is not None:
+            self.optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(spec.sample_rate))
+
+    def gradients(self, weights: Mapping[str, Tensor], images: Tensor, labels: Tensor) -> tuple[float, list[Tensor]]:
+        """The mean loss of the batch and the DP-SGD gradient at ``weights``, in named_parameters order."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(weights[name])
+        if not self.spec.expected_batch_size:
+            self.optimizer.expected_batch_size = max(len(labels), 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.module(images), labels, reduction="sum")
+        with warnings.catch_warnings():  # the images need no gradient, which torch's full backward hook notes
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss.backward()
+        self.optimizer.pre_step()  # clip per example, add noise, scale, tell the accountant
+        grads = [
+            p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()
+        ]
+        return float(loss.detach()) / max(len(labels), 1), grads
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.remove_hooks()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(self.saved[name])
+                for attr in ("grad_sample", "summed_grad", "_forward_counter"):
+                    if hasattr(p, attr):
+                        delattr(p, attr)
+
+
+# -- the configuration and the accountant -------------------------------------------------------------
+
+
+def sample_rate(cfg: Mapping[str, Any], n: int) -> float:
+    """q = batch size / the client's data size (Poisson sampling's expected batch over the data)."""
+    return int(cfg["batch-size"]) / max(n, 1)
+
+
+def steps_per_round(cfg: Mapping[str, Any], n: int) -> int:
+    """The local steps of one training round: ``local-steps``, else the epochs' batches of ``n`` images."""
+    if int(cfg["local-steps"]) > 0:
+        return int(cfg["local-steps"])
+    return int(cfg["local-epochs"]) * math.ceil(n / int(cfg["batch-size"]))
+
+
+def check_config(cfg: Mapping[str, Any], n: int) -> str | None:
+    """Why DP-SGD cannot run with ``cfg`` on a client of ``n`` images, or None."""
+    delta, q = float(cfg["dp-delta"]), sample_rate(cfg, n)
+    if q > 1:
+        return f"dp-sgd: batch-size {cfg['batch-size']} exceeds the client's {n} images (sample rate {q:g} > 1)"
+    if delta >= 1 / n:
+        return (
+            f"dp-sgd: dp-delta {delta:g} >= 1/{n} (1 / the client's data size): such a delta allows leaking "
+            "one example in clear; use a smaller dp-delta"
+        )
+    if float(cfg["clip-norm"]) <= 0:
+        return f"dp-sgd: clip-norm must be > 0, got {cfg['clip-norm']}"
+    return None
+
+
+def noise_multiplier(cfg: Mapping[str, Any], n: int) -> float:
+    """The noise multiplier the run config asks for: fixed (``noise-multiplier``), none (clipping
+    only), or the smallest that keeps the whole training within ``dp-epsilon`` at ``dp-delta``
+    (Opacus' ``get_noise_multiplier`` over num-server-rounds x the local steps at q = B / n: every
+    round counted, so a client sampled in fewer rounds spends less)."""
+    source = str(cfg["dp-noise-from"])
+    if source == "none":
+        return 0.0
+    if source == "noise-multiplier":
+        return float(cfg["noise-multiplier"])
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(
+        get_noise_multiplier(
+            target_epsilon=float(cfg["dp-epsilon"]),
+            target_delta=float(cfg["dp-delta"]),
+            sample_rate=sample_rate(cfg, n),
+            steps=int(cfg["num-server-rounds"]) * steps_per_round(cfg, n),
+            accountant="rdp",
+        )
+    )
+
+
+def spec_from_config(cfg: Mapping[str, Any], n: int, *, fixed_batches: bool = False) -> DpSgdSpec:
+    """The DP-SGD of a round of a client holding ``n`` images. A capture round on a victim set
+    (``fixed_batches``) runs its fixed batches, not Poisson samples: the accountant is told so
+    (sample rate 1, no amplification); the noise multiplier is the training rounds' one."""
+    problem = check_config(cfg, n)
+    if problem:
+        raise DpSgdError(problem)
+    z = noise_multiplier(cfg, n)
+    if fixed_batches:
+        return DpSgdSpec(float(cfg["clip-norm"]), z, 1.0, poisson=False)
+    return DpSgdSpec(
+        float(cfg["clip-norm"]), z, sample_rate(cfg, n), poisson=True, expected_batch_size=int(cfg["batch-size"])
+    )
+
+
+def new_accountant() -> Any:
+    from opacus.accountants import RDPAccountant
+
+    return RDPAccountant()
+
+
+def load_accountant(state: Any) -> Any:
+    """The client's accountant, from its Flower ``context.state`` (a RecordDict): a fresh one in its first round."""
+    accountant = new_accountant()
+    if STATE_KEY in state:
+        history = json.loads(str(state[STATE_KEY]["history"]))
+        accountant.history = [(float(z), float(q), int(k)) for z, q, k in history]
+    return accountant
+
+
+def save_accountant(state: Any, accountant: Any) -> None:
+    """Keep the accountant's history (noise multiplier, sample rate, steps) in the client's ``context.state``."""
+    from flwr.app import ConfigRecord
+
+    state[STATE_KEY] = ConfigRecord({"history": json.dumps([list(h) for h in accountant.history])})
+
+
+def epsilon(accountant: Any, delta: float) -> float:
+    """The epsilon spent so far at ``delta`` (inf with clipping only; 0 before any step)."""
+    if not accountant.history:
+        return 0.0
+    if any(z == 0 for z, _, _ in accountant.history):
+        return math.inf
+    return float(accountant.get_epsilon(delta))
+
+
+def privacy_summary(cfg: Mapping[str, Any], client_epsilon: Mapping[int, Mapping[int, float]]) -> dict[str, Any]:
+    """The run's ``privacy`` entry under dp-sgd: the epsilon each client reported after its last round
+    (``client_epsilon``: round -> partition -> epsilon), and the largest, which is the run's guarantee."""
+    last: dict[int, float] = {}
+    for rnd in sorted(client_epsilon):
+        last.update(client_epsilon[rnd])
+    worst = max(last.values()) if last else None
+    return {
+        "defense": "dp-sgd",
+        "delta": float(cfg["dp-delta"]),
+        "clip_norm": float(cfg["clip-norm"]),
+        "noise_from": str(cfg["dp-noise-from"]),
+        "target_epsilon": float(cfg["dp-epsilon"]) if cfg["dp-noise-from"] == "epsilon" else None,
+        "guarantee": "client",
+        "accountant": "opacus RDPAccountant (Poisson sampling in training rounds; capture rounds: q = 1)",
+        "epsilon": worst,
+        "per_client": {str(k): v for k, v in sorted(last.items())},
+        "per_round": {str(r): max(v.values()) for r, v in sorted(client_epsilon.items()) if v},
+    }
