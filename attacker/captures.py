@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from fedsim import dp_sgd
 from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
 from fedsim.client_step import LocalPlan, LocalPlanError
-from fedsim.defenses import Defense, get_defense
+from fedsim.defenses import NO_DEFENSE, Defense, get_defense
 from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config
 from fedsim.task import local_plan
 
@@ -41,8 +42,22 @@ def replay_plan(capture: Capture, replay_order: str = "known") -> LocalPlan:
         raise CaptureError(f"capture {capture.path}: the update's hyperparameters lack {', '.join(missing)}")
     try:
         cfg = resolve_config({k: v for k, v in sent.items() if k in DEFAULTS}, strict=False)
-        plan = local_plan(cfg, one_step=False, seed=0)
-    except (RunConfigError, LocalPlanError) as err:
+        dp = None
+        if get_defense(str(cfg["defense"])).in_local_round:
+            # DP-SGD: the replay clips per example as the client did (dp_sgd.clipped_gradients), on the
+            # fixed batches of a victim set; a whole partition's round ran Poisson batches, not recorded.
+            if int(cfg["capture-images"]) <= 0:
+                raise CaptureError(
+                    f"capture {capture.path}: a dp-sgd update of the client's whole partition ran "
+                    "Poisson-sampled batches the capture does not record; capture on a victim set "
+                    "(capture-images > 0, fixed batches) to attack it"
+                )
+            dp = dp_sgd.fixed_batch_spec(cfg, 0.0)  # no noise: the server does not know it
+            cfg = {**cfg, "defense": NO_DEFENSE}  # the plan's schedule and optimizer; dp set below
+        plan = replace(local_plan(cfg, one_step=False, seed=0), dp=dp)
+    except (RunConfigError, LocalPlanError, ValueError) as err:
+        if isinstance(err, CaptureError):
+            raise
         raise CaptureError(f"capture {capture.path}: the replay cannot run this update ({err})") from None
     if (
         plan.schedule.order == "shuffled"

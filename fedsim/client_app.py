@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from fedsim import defenses, dp_sgd, task
 from fedsim.client_step import StepRecord, run_local_round
 from fedsim.run_config import resolve_config
+from fedsim.strategies import PROXIMAL_NOT_BUILT
 
 app = ClientApp()
 
@@ -91,6 +92,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     one_step = bool(sent.get("one-step", False))
     capture_update = bool(sent.get("capture-update", False))
     _maybe_fail(str(cfg.get("inject-client-failure", "")), server_round, partition_id)
+    # Flower's FedProx sends its mu as "proximal-mu": training without the term would silently be FedAvg.
+    if float(sent.get("proximal-mu", 0.0)) > 0:  # type: ignore[arg-type]
+        raise ValueError(f"{PROXIMAL_NOT_BUILT} (proximal-mu {sent['proximal-mu']})")
     model = task.make_model(cfg, msg.content["arrays"].to_torch_state_dict())
     train = task.load_split(cfg, train=True)
     indices = task.partition_indices(cfg, train, partition_id, num_partitions)

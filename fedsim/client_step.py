@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fedsim.dp_sgd import DpSgdSpec, DpSgdStep, poisson_batches
+from fedsim.dp_sgd import DpSgdSpec, DpSgdStep, clipped_gradients, poisson_batches
 from fedsim.models import DropoutMode, get_recorded_masks, set_dropout_mode, set_masks
 
 DROPOUT_BEHAVIOURS = ("sample", "replay", "learn", "off")
@@ -111,8 +111,10 @@ class LocalPlan:
     dp: DpSgdSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.dp is not None and self.differentiable:
-            raise LocalPlanError("a DP-SGD round cannot be replayed differentiably yet (per-example clipping)")
+        if self.dp is not None and self.differentiable and (self.dp.poisson or self.dp.noise_multiplier > 0):
+            # The replay clips per example (dp_sgd.clipped_gradients) but adds no noise (the server does
+            # not know it) and needs the batches the client ran, which Poisson sampling does not record.
+            raise LocalPlanError("a DP-SGD replay needs fixed batches and noise 0 (the noise stays in the target)")
         if self.dropout not in DROPOUT_BEHAVIOURS:
             raise LocalPlanError(f"dropout must be one of {DROPOUT_BEHAVIOURS}, got {self.dropout!r}")
         if self.dropout in ("replay", "learn") and self.masks is None:
@@ -250,7 +252,7 @@ def run_local_round(
     set_dropout_mode(model, mode)
     # Copies of the start values first: the DP-SGD step writes each step's weights into the model.
     dp_step = None
-    if plan.dp is not None:
+    if plan.dp is not None and not plan.differentiable:  # the replay clips by autograd instead (keeps the graph)
         global_params = {k: v.detach().clone() for k, v in global_params.items()}
         dp_step = DpSgdStep(model, plan.dp, accountant)
     try:
@@ -271,6 +273,11 @@ def run_local_round(
                 if dp_step is not None:
                     loss_value, grads = dp_step.gradients(params, images, labels)
                     loss = torch.tensor(loss_value)
+                elif plan.dp is not None:
+                    step_masks = list(plan.masks[t - 1]) if plan.masks is not None else None
+                    loss, grads = clipped_gradients(
+                        model, params, images, labels, step_masks, plan.dp, create_graph=plan.differentiable
+                    )
                 else:
                     loss = F.cross_entropy(functional_call(model, params, (images,)), labels)
                     grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=plan.differentiable)

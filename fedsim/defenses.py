@@ -11,7 +11,7 @@ Flower's own classes do the clipping and the noise (``flwr.clientapp.mod.LocalDp
 ``fixedclipping_mod``, ``flwr.serverapp.strategy.DifferentialPrivacy*FixedClipping``). Flower has
 no pruning mod, so :func:`prune_mod` is written here, once.
 
-What the curious server records (``fedsim.strategy.CuriousFedAvg`` captures each reply as it
+What the curious server records (``fedsim.strategy.CuriousStrategy`` captures each reply as it
 reaches it, i.e. after the client's mods and, for server-side clipping, after the wrapper clipped it):
 
 * none: the client's update as it left the client;

@@ -21,13 +21,16 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedsim.models import set_masks
 
 STATE_KEY = "dp-sgd"  # the ConfigRecord of the client's context.state that holds the accountant's history
 NOISE_SOURCES = ("epsilon", "noise-multiplier", "none")
@@ -149,6 +152,53 @@ class DpSgdStep:
                         delattr(p, attr)
 
 
+# Opacus' flat clipping (DPOptimizer.clip_and_accumulate): each example's factor is
+# min(1, C / (||g_i|| + 1e-6)), the norm over all parameters of that example.
+CLIP_EPS = 1e-6
+
+
+def clipped_gradients(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    images: Tensor,
+    labels: Tensor,
+    masks: Sequence[Tensor] | None,
+    spec: DpSgdSpec,
+    create_graph: bool = False,
+) -> tuple[Tensor, list[Tensor]]:
+    """DP-SGD's gradient of one step without its noise, by plain autograd (the attacker's replay:
+    the graph is kept with ``create_graph``): the mean loss of the batch and, in named_parameters
+    order, sum_i min(1, C / (||g_i|| + 1e-6)) g_i / (expected batch size, or the batch's own size),
+    as Opacus' ``DPOptimizer.pre_step`` computes it with noise 0.
+
+    Per-example gradients come from a loop over the examples (batches are small), each with its own
+    rows of the dropout ``masks`` (per step, per layer, batch-first, as the client recorded them), so
+    the dropout layer runs in whatever mode the model is in (learn, replay, off)."""
+    names = [n for n, _ in model.named_parameters()]
+    inputs = [params[n] for n in names]
+    b = len(labels)
+    divisor = float(spec.expected_batch_size or max(b, 1))
+    total: list[Tensor] = [torch.zeros_like(p) for p in inputs]
+    losses: list[Tensor] = []
+    try:
+        for i in range(b):
+            if masks:
+                set_masks(model, [m[i : i + 1] for m in masks])
+            loss = F.cross_entropy(functional_call(model, dict(params), (images[i : i + 1],)), labels[i : i + 1])
+            grads = torch.autograd.grad(loss, inputs, create_graph=create_graph, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, inputs)]
+            # the same reduction as Opacus: a norm per parameter, then the norm of those norms
+            norm = torch.stack([g.reshape(-1).norm(2) for g in grads]).norm(2)
+            factor = (spec.max_grad_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+            total = [acc + factor * g for acc, g in zip(total, grads)]
+            losses.append(loss)
+    finally:
+        if masks:
+            set_masks(model, list(masks))  # the whole batch's masks back, as set_masks left them
+    mean_loss = torch.stack(losses).mean() if losses else torch.zeros(())
+    return mean_loss, [g / divisor for g in total]
+
+
 # -- the configuration and the accountant -------------------------------------------------------------
 
 
@@ -211,10 +261,16 @@ def spec_from_config(cfg: Mapping[str, Any], n: int, *, fixed_batches: bool = Fa
         raise DpSgdError(problem)
     z = noise_multiplier(cfg, n)
     if fixed_batches:
-        return DpSgdSpec(float(cfg["clip-norm"]), z, 1.0, poisson=False)
+        return fixed_batch_spec(cfg, z)
     return DpSgdSpec(
         float(cfg["clip-norm"]), z, sample_rate(cfg, n), poisson=True, expected_batch_size=int(cfg["batch-size"])
     )
+
+
+def fixed_batch_spec(cfg: Mapping[str, Any], z: float) -> DpSgdSpec:
+    """A round on fixed batches (a capture round's victim set): each step divides by its own batch
+    size. The attacker's replay of a dp-sgd update takes this with z = 0: the noise stays in the target."""
+    return DpSgdSpec(float(cfg["clip-norm"]), z, 1.0, poisson=False)
 
 
 def new_accountant() -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
 from fedsim.defenses import DEFENSES, NO_DEFENSE
 from fedsim.dp_sgd import NOISE_SOURCES
+from fedsim.strategies import STRATEGIES, StrategyOptionsError, check_options, parse_options
 
 
 class RunConfigError(ValueError):
@@ -126,6 +127,14 @@ def _parse_model_options(text: str) -> dict[str, Any]:
     return options
 
 
+def _check_strategy_options(text: str) -> None:
+    # The JSON shape here; which parameters the chosen strategy takes: resolve_config (two settings).
+    try:
+        parse_options(text)
+    except StrategyOptionsError as err:
+        raise RunConfigError(str(err)) from None
+
+
 def _parse_capture_rounds(text: str) -> set[int] | str:
     text = str(text).strip().lower()
     if text == "all":
@@ -222,6 +231,23 @@ SCHEMA: tuple[Setting, ...] = (
         group="federation",
     ),
     Setting("seed", 0, "seed of the partitions and the clients' local training", group="federation"),
+    Setting(
+        "strategy",
+        "fedavg",
+        "the server's Flower strategy, which the curious capture wraps (docs/strategies.md): "
+        + "; ".join(f"{e.name}: {e.help}" for e in STRATEGIES.values()),
+        choices=STRATEGIES.keys(),
+        group="federation",
+    ),
+    Setting(
+        "strategy-options",
+        "{}",
+        "JSON object of the strategy's parameters, by Flower's names: "
+        + "; ".join(f"{e.name}: {', '.join(e.params)}" for e in STRATEGIES.values() if e.params)
+        + ", e.g. '{\"eta\": 0.01}'",
+        check=_check_strategy_options,
+        group="federation",
+    ),
     # local training
     Setting("local-epochs", 1, "local epochs per round", range=_AT_LEAST_1, group="local training"),
     Setting(
@@ -378,6 +404,9 @@ SCHEMA: tuple[Setting, ...] = (
 SETTINGS: dict[str, Setting] = {s.key: s for s in SCHEMA}
 DEFAULTS: dict[str, Any] = {s.key: s.default for s in SCHEMA}
 
+# Settings that are JSON objects in the run config and dicts in YAML and Python.
+_JSON_KEYS = ("model-options", "strategy-options")
+
 # Keys renamed since earlier versions: named in the error, so an old config says what to write now.
 _RENAMED = {"label-policy": "labels (values known | recovered)"}
 
@@ -389,18 +418,20 @@ def to_run_config(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in (mapping or {}).items():
         key = str(key).replace("_", "-")
-        if key == "model-options" and isinstance(value, Mapping):
+        if key in _JSON_KEYS and isinstance(value, Mapping):
             value = json.dumps(dict(value), sort_keys=True)
         out[key] = value
     return out
 
 
 def from_run_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The reverse of :func:`to_run_config`: snake_case keys, ``model_options`` as a dict."""
+    """The reverse of :func:`to_run_config`: snake_case keys, ``model_options`` and ``strategy_options`` as dicts."""
     out: dict[str, Any] = {}
     for key, value in cfg.items():
         if key == "model-options" and isinstance(value, str):
             value = _parse_model_options(value)
+        elif key == "strategy-options" and isinstance(value, str):
+            value = parse_options(value)
         out[str(key).replace("-", "_")] = value
     return out
 
@@ -423,6 +454,10 @@ def resolve_config(*layers: Mapping[str, Any] | None, strict: bool = True) -> di
             cfg[key] = SETTINGS[key].coerce(value)
     for key, value in cfg.items():
         SETTINGS[key].validate(value)
+    try:  # the options must be ones the chosen strategy takes
+        check_options(cfg["strategy"], cfg["strategy-options"])
+    except StrategyOptionsError as err:
+        raise RunConfigError(str(err)) from None
     return cfg
 
 

@@ -1,4 +1,4 @@
-"""Flower ServerApp: sample-weighted FedAvg (the curious one) with central test evaluation.
+"""Flower ServerApp: the run config's Flower strategy inside the curious capture, with central test evaluation.
 
 Per run folder:
   config.json     the resolved run config
@@ -21,10 +21,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import save_file
 
-from fedsim import defenses, dp_sgd, task
+from fedsim import defenses, dp_sgd, strategies, task
 from fedsim.atomic import atomic_path, atomic_write
 from fedsim.run_config import capture_rounds, resolve_config
-from fedsim.strategy import CuriousFedAvg
+from fedsim.strategy import CuriousStrategy
 
 ROUND_FIELDS = ["round", "accuracy", "loss", "train_loss", "num_replies", "captured", "elapsed_s"]
 
@@ -39,9 +39,9 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     model = task.make_model(cfg)
     sampled = max(1, int(n * float(cfg["fraction-train"])))
     strategy = _curious_strategy(cfg, run_dir, n, sampled)
-    # The defense's strategy wrapper (central DP), if any, goes around the curious FedAvg: Flower's
-    # server-side clipping happens in the wrapper before FedAvg sees the replies, and the noise after
-    # FedAvg aggregated them, so the captures hold clipped, un-noised updates (fedsim.defenses).
+    # The defense's strategy wrapper (central DP), if any, goes around the curious strategy: Flower's
+    # server-side clipping happens in the wrapper before the strategy sees the replies, and the noise
+    # after it aggregated them, so the captures hold clipped, un-noised updates (fedsim.defenses).
     server = defenses.wrap_strategy(strategy, cfg, sampled)
     test = task.load_split(cfg, train=False)
     rows: list[dict[str, Any]] = []
@@ -125,9 +125,22 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _curious_strategy(cfg: Mapping[str, Any], run_dir: Path, n: int, sampled: int) -> CuriousFedAvg:
-    """The honest-but-curious FedAvg of the run config: captures into ``run_dir``, FedAvg's aggregation."""
-    return CuriousFedAvg(
+def _curious_strategy(cfg: Mapping[str, Any], run_dir: Path, n: int, sampled: int) -> CuriousStrategy:
+    """The run config's Flower strategy (``strategy``, ``strategy-options``: fedsim.strategies) inside
+    the curious capture, which records into ``run_dir`` and leaves aggregation to that strategy.
+    Adaptive strategies (FedAdam, ...) take their starting point from the initial model that
+    ``start`` sends in round 1 (their configure_train keeps it), so nothing more is passed here."""
+    inner = strategies.build_strategy(
+        str(cfg["strategy"]),
+        str(cfg["strategy-options"]),
+        fraction_train=float(cfg["fraction-train"]),
+        fraction_evaluate=float(cfg["fraction-evaluate"]),
+        min_train_nodes=sampled,
+        min_evaluate_nodes=max(1, int(n * float(cfg["fraction-evaluate"]))),
+        min_available_nodes=n,  # else round 1 may sample only the nodes connected so far
+    )
+    return CuriousStrategy(
+        inner,
         task.model_spec(cfg),
         capture_rounds=capture_rounds(cfg),
         capture_kind=cfg["capture-kind"],
@@ -135,11 +148,6 @@ def _curious_strategy(cfg: Mapping[str, Any], run_dir: Path, n: int, sampled: in
         defense=cfg["defense"],
         capture_dir=run_dir / "captures",
         oracle_dir=run_dir / "oracle",
-        fraction_train=float(cfg["fraction-train"]),
-        fraction_evaluate=float(cfg["fraction-evaluate"]),
-        min_train_nodes=sampled,
-        min_evaluate_nodes=max(1, int(n * float(cfg["fraction-evaluate"]))),
-        min_available_nodes=n,  # else round 1 may sample only the nodes connected so far
     )
 
 

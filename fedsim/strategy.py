@@ -1,9 +1,11 @@
-"""The honest-but-curious server: FedAvg that records what each client sends in chosen rounds.
+"""The honest-but-curious server: a wrapper around any Flower strategy that records what each client
+sends in chosen rounds.
 
-Recording is a side channel only: aggregation is FedAvg's own code on the same replies, so the
-global model is the same with capture on or off. In capture rounds of kind "gradient" the server
-asks clients for a one-step round (plain SGD, one step on B victim images) and recovers the exact
-gradient as (global - local) / lr; otherwise it stores the update (global - local).
+Recording is a side channel only: aggregation is the wrapped strategy's own code on the same
+replies (``fedsim.strategies`` builds it: FedAvg, FedProx, FedAdam, ...), so the global model is the
+same with capture on or off. In capture rounds of kind "gradient" the server asks clients for a
+one-step round (plain SGD, one step on B victim images) and recovers the exact gradient as
+(global - local) / lr; otherwise it stores the update (global - local).
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import json
 import logging
 import re
 from collections.abc import Iterable
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.supercore import log
 from safetensors.torch import load as st_load
 
 from fedsim.capture import Capture, CaptureError, OracleRecord, save_capture, save_oracle
@@ -29,12 +33,16 @@ from fedsim.run_config import CAPTURE_KINDS, LABEL_POLICIES
 logger = logging.getLogger("fedsim.strategy")
 
 
-class CuriousFedAvg(FedAvg):
-    """FedAvg that captures client replies in ``capture_rounds`` (a set of rounds, or "all").
+class CuriousStrategy(Strategy):
+    """Any Flower strategy, by composition, capturing client replies in ``capture_rounds`` (a set of
+    rounds, or "all"). Every Strategy method delegates to ``strategy``; only ``configure_train``
+    (the capture flags in the round's config) and ``aggregate_train`` (recording the replies before
+    the wrapped strategy aggregates them) add anything. Other attributes (``fraction_train``, FedOpt's
+    ``eta``, ...) read through to the wrapped strategy.
 
     Captures go to ``capture_dir`` and oracle records (audit mode) to ``oracle_dir`` when given,
     and to ``self.captures`` / ``self.oracles`` when ``keep_in_memory``. Setting ``stopped`` makes
-    every later round a no-op (early stopping without leaving FedAvg's ``start`` loop).
+    every later round a no-op (early stopping without leaving Flower's ``start`` loop).
     ``label_policy`` is the run config's ``labels`` (known | recovered); each capture records
     "known" when the client's reply carried its labels, else "recovered".
 
@@ -45,6 +53,7 @@ class CuriousFedAvg(FedAvg):
 
     def __init__(
         self,
+        strategy: Strategy,
         spec: ModelSpec,
         *,
         capture_rounds: Iterable[int] | str | None = None,
@@ -54,9 +63,8 @@ class CuriousFedAvg(FedAvg):
         oracle_dir: str | Path | None = None,
         keep_in_memory: bool = False,
         defense: str = "none",
-        **fedavg_kwargs: Any,
     ) -> None:
-        super().__init__(**fedavg_kwargs)
+        self.strategy = strategy
         self.defense = get_defense(defense)  # recorded in every capture (what the capture holds under it)
         if capture_kind not in CAPTURE_KINDS:
             raise ValueError(f"capture_kind must be one of {CAPTURE_KINDS}, got {capture_kind!r}")
@@ -84,6 +92,23 @@ class CuriousFedAvg(FedAvg):
         self._sent: dict[int, tuple[ArrayRecord, dict[str, Any]]] = {}
         self._param_names = [n for n, _ in build_model(spec).named_parameters()]
 
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes this wrapper lacks: read them from the wrapped strategy. "strategy"
+        # itself is excluded so a half-built wrapper (or copy/pickle probing) cannot recurse.
+        if name == "strategy" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.strategy, name)
+
+    def summary(self) -> None:
+        log(  # Flower's logger, so the line sits with the wrapped strategy's own summary
+            INFO,
+            "\t├──> curious capture (rounds %s, kind %s) around %s:",
+            "all" if self.capture_rounds == "all" else sorted(self.capture_rounds),  # type: ignore[arg-type]
+            self.capture_kind,
+            type(self.strategy).__name__,
+        )
+        self.strategy.summary()
+
     def is_capture_round(self, server_round: int) -> bool:
         return self.capture_rounds == "all" or server_round in self.capture_rounds  # type: ignore[operator]
 
@@ -95,7 +120,8 @@ class CuriousFedAvg(FedAvg):
         config = ConfigRecord(dict(config))  # a copy: start() reuses one ConfigRecord for every round
         config["one-step"] = self.is_capture_round(server_round) and self.capture_kind == "gradient"
         config["capture-update"] = self.is_capture_round(server_round) and self.capture_kind == "update"
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        # After the wrapped strategy's configure_train: FedProx writes its proximal-mu into this config.
         self._sent = {server_round: (arrays, dict(config))}  # only the current round is needed
         return messages
 
@@ -104,7 +130,10 @@ class CuriousFedAvg(FedAvg):
     ) -> Iterable[Message]:
         if self.stopped:
             return []
-        return super().configure_evaluate(server_round, arrays, config, grid)
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -118,7 +147,7 @@ class CuriousFedAvg(FedAvg):
                 spent = float(msg.content["metrics"]["dp-epsilon-spent"])  # type: ignore[arg-type]
                 self.client_epsilon.setdefault(server_round, {})[part] = spent if spent >= 0 else float("inf")
         for msg in replies:
-            if msg.has_error():  # a client that failed: recorded, and FedAvg goes on without it
+            if msg.has_error():  # a client that failed: recorded, and the strategy goes on without it
                 self._record_failure(server_round, msg, f"client error: {msg.error.reason}")
         if self.is_capture_round(server_round) and server_round in self._sent:
             global_arrays, sent_config = self._sent[server_round]
@@ -129,7 +158,7 @@ class CuriousFedAvg(FedAvg):
                 except (CaptureError, KeyError, ValueError, OSError) as err:
                     # One bad reply or a failed write must not cost the other clients' captures.
                     self._record_failure(server_round, msg, f"capture failed: {err}")
-        arrays, metrics = super().aggregate_train(server_round, replies)
+        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if arrays is not None and server_round in self._sent:
             arrays = _match_dtypes(arrays, self._sent[server_round][0])
         if metrics is not None:
@@ -212,6 +241,26 @@ class CuriousFedAvg(FedAvg):
                 save_oracle(self.oracle_dir, oracle)
             if self.keep_in_memory:
                 self.oracles.append(oracle)
+
+
+class CuriousFedAvg(CuriousStrategy):
+    """The curious capture around Flower's FedAvg: ``fedavg_kwargs`` go to FedAvg, the rest as
+    :class:`CuriousStrategy` takes them (the shape of the server before any strategy could be chosen)."""
+
+    def __init__(self, spec: ModelSpec, **kwargs: Any) -> None:
+        curious = {k: kwargs.pop(k) for k in _CURIOUS_ARGS if k in kwargs}
+        super().__init__(FedAvg(**kwargs), spec, **curious)
+
+
+_CURIOUS_ARGS = (
+    "capture_rounds",
+    "capture_kind",
+    "label_policy",
+    "capture_dir",
+    "oracle_dir",
+    "keep_in_memory",
+    "defense",
+)
 
 
 def _parse_oracle(record: ConfigRecord, server_round: int, client: int, node_id: int) -> OracleRecord:

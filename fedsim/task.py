@@ -123,11 +123,8 @@ def local_plan(
     dp = None
     if _dp_sgd(cfg):
         if num_examples < 1:
-            # The attacker's replay reads plans without a data size: a dp-sgd update is not replayed yet.
-            raise RunConfigError(
-                "dp-sgd: a round needs the client's data size (its sample rate); "
-                "replaying a dp-sgd update (per-example clipping) is not supported yet"
-            )
+            # The attacker's replay has no data size: it builds its own spec (attacker.captures.replay_plan).
+            raise RunConfigError("dp-sgd: a round needs the client's data size (its sample rate)")
         dp = dp_sgd.spec_from_config(cfg, num_examples, fixed_batches=one_step or victim_set)
     if one_step:
         return replace(one_step_plan(float(cfg["onestep-lr"]), seed=seed, float64=bool(cfg["onestep-float64"])), dp=dp)

@@ -270,5 +270,5 @@ def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: 
     lines = [re.sub(r"^(DEBUG|INFO|WARNING|ERROR)\s*:\s*", "", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line]
     assert sum("[ROUND 1/1]" in line for line in lines) == 1, text[-3000:]
-    assert sum("Starting CuriousFedAvg strategy" in line for line in lines) == 1
+    assert sum("Starting CuriousStrategy strategy" in line for line in lines) == 1
     assert [a for a, b in zip(lines, lines[1:]) if a == b] == [], text[-3000:]

@@ -1,0 +1,167 @@
+"""The server strategies a run can choose (``--strategy NAME``): one table, name -> Flower class and
+the parameters it takes from the run config's ``strategy-options`` (a JSON object, Flower's own
+keyword names). The curious capture (``fedsim.strategy.CuriousStrategy``) wraps whichever one is
+built here, so aggregation is always Flower's own code.
+
+This module imports Flower only when a strategy is built: the run config (``--help`` included)
+reads the table's names and parameters without loading ``flwr.serverapp``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class StrategyOptionsError(ValueError):
+    """An unknown strategy, a parameter it does not take, or a value out of range."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One keyword argument of a Flower strategy: its type and allowed range (``None``: open side)."""
+
+    type: type  # int or float
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    help: str = ""
+
+    def check(self, strategy: str, name: str, value: Any) -> float | int:
+        # JSON gives bool as a subclass of int: refuse it rather than read true as 1.
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise StrategyOptionsError(f"strategy {strategy}: {name} must be a number, got {value!r}")
+        if self.type is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise StrategyOptionsError(f"strategy {strategy}: {name} must be an integer, got {value!r}")
+            value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise StrategyOptionsError(f"strategy {strategy}: {name} must be finite, got {value!r}")
+        low_bad = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        high_bad = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if low_bad or high_bad:
+            raise StrategyOptionsError(f"strategy {strategy}: {name} must be {self.describe()}, got {value!r}")
+        return value
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"{'<' if self.high_open else '<='} {self.high:g}" if self.high is not None else "any number"
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    name: str
+    flower_class: str  # a class of flwr.serverapp.strategy
+    help: str
+    params: dict[str, Param] = field(default_factory=dict)
+    # Changes the client's local objective (FedProx's proximal term): the client step must know it.
+    client_objective: str = ""
+
+    def flower(self) -> type:
+        import flwr.serverapp.strategy as flwr_strategies
+
+        return getattr(flwr_strategies, self.flower_class)
+
+
+_POSITIVE = {"low": 0.0, "low_open": True}
+# FedOpt's parameters (FedAdam, FedYogi, FedAdagrad), as flwr.serverapp.strategy.FedOpt names them.
+_FEDOPT = {
+    "eta": Param(float, **_POSITIVE, help="server-side learning rate"),
+    "eta_l": Param(float, **_POSITIVE, help="client-side learning rate (Flower keeps it, does not use it)"),
+    "beta_1": Param(float, 0.0, 1.0, high_open=True, help="first-moment decay"),
+    "beta_2": Param(float, 0.0, 1.0, high_open=True, help="second-moment decay"),
+    "tau": Param(float, **_POSITIVE, help="adaptivity (added to the root of the second moment)"),
+}
+
+STRATEGIES: dict[str, StrategyEntry] = {
+    e.name: e
+    for e in (
+        StrategyEntry("fedavg", "FedAvg", "sample-weighted average of the client models"),
+        StrategyEntry(
+            "fedprox",
+            "FedProx",
+            "FedAvg's aggregation; clients add (mu/2)||w - w_global||^2 to their loss",
+            {"proximal_mu": Param(float, 0.0, help="weight of the proximal term")},
+            client_objective="proximal_mu",
+        ),
+        StrategyEntry("fedadam", "FedAdam", "FedAvg's average as a pseudo-gradient for a server Adam step", _FEDOPT),
+        StrategyEntry("fedyogi", "FedYogi", "FedAvg's average as a pseudo-gradient for a server Yogi step", _FEDOPT),
+        StrategyEntry(
+            "fedadagrad", "FedAdagrad", "FedAvg's average as a pseudo-gradient for a server Adagrad step", _FEDOPT
+        ),
+        StrategyEntry("fedmedian", "FedMedian", "coordinate-wise median of the client models"),
+        StrategyEntry(
+            "fedtrimmedavg",
+            "FedTrimmedAvg",
+            "coordinate-wise mean after cutting the beta fraction at each end",
+            {"beta": Param(float, 0.0, 0.5, high_open=True, help="fraction cut at each end")},
+        ),
+        StrategyEntry(
+            "krum",
+            "Krum",
+            "the one client model closest to its neighbours (Blanchard et al.)",
+            {"num_malicious_nodes": Param(int, 0.0, help="f, the Byzantine clients tolerated")},
+        ),
+    )
+}
+
+# Flower's constructor arguments that the federation settings fill, never strategy-options.
+COMMON_ARGS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes", "min_available_nodes")
+
+PROXIMAL_NOT_BUILT = "FedProx's proximal term in the client step is not built yet"
+
+
+def get_strategy(name: str) -> StrategyEntry:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise StrategyOptionsError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}") from None
+
+
+def parse_options(text: str | Mapping[str, Any]) -> dict[str, Any]:
+    """The ``strategy-options`` setting (a JSON object string, or already a mapping) as a dict."""
+    if isinstance(text, Mapping):
+        return dict(text)
+    try:
+        options = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        raise StrategyOptionsError(f"strategy-options must be a JSON object, got {text!r}") from None
+    if not isinstance(options, dict):
+        raise StrategyOptionsError(f"strategy-options must be a JSON object, got {text!r}")
+    return options
+
+
+def check_options(name: str, options: str | Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` checked against strategy ``name``: its own parameters only, each in range.
+    Returns them coerced (ints for int parameters). Raises StrategyOptionsError in one line."""
+    entry = get_strategy(name)
+    out: dict[str, Any] = {}
+    for key, value in parse_options(options).items():
+        if key not in entry.params:
+            takes = ", ".join(entry.params) or "no parameters"
+            hint = " (set by the federation settings)" if key in COMMON_ARGS else ""
+            raise StrategyOptionsError(
+                f"strategy {name} does not take {key!r}{hint}; it takes {takes} (strategy-options)"
+            )
+        out[key] = entry.params[key].check(name, key, value)
+    if entry.client_objective == "proximal_mu" and out.get("proximal_mu", 0.0) > 0:
+        raise StrategyOptionsError(f"{PROXIMAL_NOT_BUILT}: strategy fedprox needs proximal_mu 0 for now")
+    return out
+
+
+def build_strategy(name: str, options: str | Mapping[str, Any], **common: Any) -> Any:
+    """A Flower strategy (``flwr.serverapp.strategy``) of the table, with ``options`` checked and
+    ``common`` (fraction_train, min_train_nodes, ...) passed through."""
+    unknown = set(common) - set(COMMON_ARGS)
+    if unknown:
+        raise TypeError(f"not a federation argument: {', '.join(sorted(unknown))}")
+    return get_strategy(name).flower()(**common, **check_options(name, options))
