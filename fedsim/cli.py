@@ -155,6 +155,7 @@ def _check_model_and_data(cfg: dict[str, Any]) -> None:
     for change in task.check_defense(cfg):  # dp-fix-model: what Opacus' ModuleValidator.fix changed
         console.print(f"dp-fix-model: {change}")
     task.load_split(cfg, train=False)
+    task.check_data(cfg)  # the data source and its partitions (a partitioner that cannot split it)
 
 
 def _number(value: float | None) -> str:

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
+from fedsim.data.hf import parse_source
+from fedsim.data.partition import PARTITIONERS, PartitionError, make_partitioner
+from fedsim.data.partition import parse_options as parse_partitioner_options
 from fedsim.defenses import DEFENSES, NO_DEFENSE
 from fedsim.dp_sgd import NOISE_SOURCES
 from fedsim.strategies import STRATEGIES, StrategyOptionsError, check_options, parse_options
@@ -135,6 +138,21 @@ def _check_strategy_options(text: str) -> None:
         raise RunConfigError(str(err)) from None
 
 
+def _check_partitioner_options(text: str) -> None:
+    # The JSON shape here; which parameters the chosen partitioner takes: resolve_config (two settings).
+    try:
+        parse_partitioner_options(text)
+    except PartitionError as err:
+        raise RunConfigError(str(err)) from None
+
+
+def _check_data_source(text: str) -> None:
+    try:
+        parse_source(text)
+    except ValueError as err:
+        raise RunConfigError(str(err)) from None
+
+
 def _parse_capture_rounds(text: str) -> set[int] | str:
     text = str(text).strip().lower()
     if text == "all":
@@ -219,14 +237,24 @@ SCHEMA: tuple[Setting, ...] = (
     Setting(
         "partitioning",
         "iid",
-        "how the training split is divided among the clients",
-        choices=("iid", "dirichlet"),
+        "the Flower Datasets partitioner that divides the data among the clients (docs/data.md): "
+        + "; ".join(f"{p.name}: {p.help}" for p in PARTITIONERS.values()),
+        choices=PARTITIONERS.keys(),
+        group="federation",
+    ),
+    Setting(
+        "partitioner-options",
+        "{}",
+        "JSON object of the partitioner's parameters, by Flower Datasets' names, e.g. "
+        "'{\"min_partition_size\": 5}' (dirichlet), '{\"num_classes_per_partition\": 3}' (pathological), "
+        '\'{"num_shards_per_partition": 4}\' (shard), \'{"partition_by": "writer_id"}\' (natural-id)',
+        check=_check_partitioner_options,
         group="federation",
     ),
     Setting(
         "dirichlet-alpha",
         0.5,
-        "Dirichlet concentration (small: strong label skew)",
+        "Dirichlet concentration (small: strong label skew): the alpha of the dirichlet partitioner",
         range=_POSITIVE,
         group="federation",
     ),
@@ -398,6 +426,16 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("eval-batch-size", 1000, "batch size of the server's test evaluation", range=_AT_LEAST_1, group="output"),
     Setting("run-dir", "runs/fedsim", "run folder (must be new or empty)", group="output"),
     Setting("data-root", "data", "dataset folder (downloads go here when the network allows)", group="output"),
+    Setting(
+        "data-source",
+        "builtin",
+        "where the images come from (docs/data.md): builtin (torchvision files under data-root, or the "
+        "offline samples), hf:NAME[:CONFIG] (a Hugging Face Hub dataset, e.g. hf:ylecun/mnist; offline: "
+        "its cached copy only) or imagefolder:PATH (a local image folder, Hugging Face's imagefolder); "
+        "the images are brought to the dataset's spec",
+        check=_check_data_source,
+        group="output",
+    ),
     Setting("download", True, "try to download datasets that are not under data-root", group="output"),
 )
 
@@ -405,7 +443,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in SCHEMA}
 DEFAULTS: dict[str, Any] = {s.key: s.default for s in SCHEMA}
 
 # Settings that are JSON objects in the run config and dicts in YAML and Python.
-_JSON_KEYS = ("model-options", "strategy-options")
+_JSON_KEYS = ("model-options", "strategy-options", "partitioner-options")
 
 # Keys renamed since earlier versions: named in the error, so an old config says what to write now.
 _RENAMED = {"label-policy": "labels (values known | recovered)"}
@@ -425,13 +463,16 @@ def to_run_config(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def from_run_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The reverse of :func:`to_run_config`: snake_case keys, ``model_options`` and ``strategy_options`` as dicts."""
+    """The reverse of :func:`to_run_config`: snake_case keys, the JSON settings (``model_options``,
+    ``strategy_options``, ``partitioner_options``) as dicts."""
     out: dict[str, Any] = {}
     for key, value in cfg.items():
         if key == "model-options" and isinstance(value, str):
             value = _parse_model_options(value)
         elif key == "strategy-options" and isinstance(value, str):
             value = parse_options(value)
+        elif key == "partitioner-options" and isinstance(value, str):
+            value = parse_partitioner_options(value)
         out[str(key).replace("-", "_")] = value
     return out
 
@@ -457,6 +498,10 @@ def resolve_config(*layers: Mapping[str, Any] | None, strict: bool = True) -> di
     try:  # the options must be ones the chosen strategy takes
         check_options(cfg["strategy"], cfg["strategy-options"])
     except StrategyOptionsError as err:
+        raise RunConfigError(str(err)) from None
+    try:  # the partitioner must take its options (and Flower Datasets' own checks of them pass)
+        make_partitioner(cfg["partitioning"], cfg["partitioner-options"], cfg["num-clients"], cfg["seed"], cfg)
+    except PartitionError as err:
         raise RunConfigError(str(err)) from None
     return cfg
 

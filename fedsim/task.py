@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from fedsim import dp_sgd
 from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan
-from fedsim.data import dataset_labels, load_dataset, partition_dirichlet, partition_iid, sample_victims
+from fedsim.data import PartitionError, load_dataset, partition_dataset, sample_victims
+from fedsim.data.partition import partition_table
 from fedsim.defenses import DEFENSES, check_run
 from fedsim.models import ModelSpec, build_model, set_dropout_mode
 from fedsim.models.registry import model_family
@@ -79,32 +80,51 @@ def _check_dp_sgd(cfg: Mapping[str, Any]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _dataset(name: str, root: str, train: bool, channels: int | None, download: bool) -> Dataset:
+def _dataset(name: str, root: str, train: bool, channels: int | None, download: bool, source: str) -> Dataset:
     # Cached per process: a Ray actor serves many rounds and clients with one copy.
-    return load_dataset(name, root, train=train, channels=channels, download=download)
+    return load_dataset(name, root, train=train, channels=channels, download=download, source=source)
 
 
 def load_split(cfg: Mapping[str, Any], train: bool) -> Dataset:
     channels = 3 if model_family(cfg["model"]).three_channel and cfg["dataset"] == "mnist" else None
-    return _dataset(cfg["dataset"], str(cfg["data-root"]), train, channels, bool(cfg["download"]))
+    source = str(cfg.get("data-source", "builtin"))
+    return _dataset(cfg["dataset"], str(cfg["data-root"]), train, channels, bool(cfg["download"]), source)
 
 
 @functools.lru_cache(maxsize=8)
 def _partitions(
-    n: int, num_partitions: int, kind: str, alpha: float, seed: int, labels: tuple[int, ...] | None
+    dataset: Dataset, num_partitions: int, kind: str, options: str, alpha: float, seed: int
 ) -> list[np.ndarray]:
-    if kind == "dirichlet":
-        return partition_dirichlet(np.asarray(labels), num_partitions, alpha, seed)
-    return partition_iid(n, num_partitions, seed)
+    # Keyed by the dataset object (one per process, _dataset): every client of an actor reuses the split.
+    table = partition_table(dataset)
+    return partition_dataset(table, num_partitions, kind, options, seed, {"dirichlet-alpha": alpha})
 
 
 def partition_indices(cfg: Mapping[str, Any], dataset: Dataset, partition_id: int, num_partitions: int) -> np.ndarray:
-    """This client's indices; every client derives the same split from the shared seed."""
-    labels = tuple(dataset_labels(dataset).tolist()) if cfg["partitioning"] == "dirichlet" else None
-    parts = _partitions(
-        len(dataset), num_partitions, cfg["partitioning"], float(cfg["dirichlet-alpha"]), int(cfg["seed"]), labels
-    )
+    """This client's indices, cut by the run's Flower Datasets partitioner (fedsim.data.partition); every
+    client derives the same split from the shared seed. RunConfigError when the data cannot be split so."""
+    try:
+        parts = _partitions(
+            dataset,
+            num_partitions,
+            str(cfg["partitioning"]),
+            str(cfg.get("partitioner-options", "{}")),
+            float(cfg["dirichlet-alpha"]),
+            int(cfg["seed"]),
+        )
+    except PartitionError as err:
+        raise RunConfigError(str(err)) from None
     return parts[partition_id]
+
+
+def check_data(cfg: Mapping[str, Any]) -> None:
+    """Load the training split and cut its partitions now (and the test split's, when clients evaluate):
+    a source or partitioner that cannot serve this run is one RunConfigError or DataUnavailableError
+    before anything starts or is written."""
+    num_clients = int(cfg["num-clients"])
+    partition_indices(cfg, load_split(cfg, train=True), 0, num_clients)
+    if float(cfg["fraction-evaluate"]) > 0:
+        partition_indices(cfg, load_split(cfg, train=False), 0, num_clients)
 
 
 def local_plan(

@@ -127,6 +127,30 @@ def test_simulate_never_writes_into_a_used_run_folder(used: Path, capsys: pytest
             ["--defense", "central-dp-client-clipping", "--inject-client-failure", "1:0"],
             ["central-dp-client-clipping cannot run with inject-client-failure"],
         ),
+        # the data and its partitions (Flower Datasets, docs/data.md)
+        (
+            ["--partitioning", "round-robin"],
+            ["partitioning must be one of iid, dirichlet, pathological", "round-robin"],
+        ),
+        (["--partitioning", "dirichlet", "--dirichlet-alpha", "0"], ["dirichlet-alpha must be > 0"]),
+        (["--partitioner-options", '{"colour": 1}'], ["partitioner iid takes no parameter 'colour'"]),
+        (["--partitioner-options", "shard"], ["partitioner-options must be a JSON object"]),
+        (
+            ["--partitioning", "pathological", "--partitioner-options", '{"num_classes_per_partition": 0}'],
+            ["num_classes_per_partition must be >= 1"],
+        ),
+        (["--partitioning", "natural-id"], ["natural-id needs partition_by"]),
+        (
+            ["--partitioning", "natural-id", "--partitioner-options", '{"partition_by": "writer_id"}'],
+            ["no column 'writer_id'"],
+        ),
+        (["--clients", "100000"], ["cannot split", "examples among 100000 clients"]),
+        (["--data-source", "s3://bucket/mnist"], ["data-source must be one of builtin, hf:NAME"]),
+        (
+            ["--data-source", "hf:fedsim-tests/no-such-dataset"],
+            ["offline", "datasets.load_dataset('fedsim-tests/no-such-dataset')"],
+        ),
+        (["--data-source", "imagefolder:/no/such/folder"], ["image folder /no/such/folder does not exist"]),
     ],
 )
 def test_simulate_bad_values(

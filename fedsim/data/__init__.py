@@ -1,5 +1,6 @@
 """Data for the leakage audit: dataset specs and normalization, loading (with real offline
-fallbacks), client partitions, victim sampling and the paper's victim files (fetched by URL, hash-pinned)."""
+fallbacks, Hugging Face datasets), client partitions (Flower Datasets), victim sampling and the
+paper's victim files (fetched by URL, hash-pinned)."""
 
 from .datasets import (
     DataUnavailableError,
@@ -25,8 +26,16 @@ from .normalization import (
     get_spec,
     normalize,
 )
+from .partition import (
+    PARTITIONERS,
+    PartitionError,
+    label_table,
+    make_partitioner,
+    partition_dataset,
+    partition_iid,
+    sample_victims,
+)
 from .victim_sets import PAPER_VICTIMS, paper_victims, paper_victims_path
-from .partition import partition_dirichlet, partition_iid, sample_victims
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -51,7 +60,11 @@ __all__ = [
     "normalize",
     "paper_victims",
     "paper_victims_path",
-    "partition_dirichlet",
+    "PARTITIONERS",
+    "PartitionError",
+    "label_table",
+    "make_partitioner",
+    "partition_dataset",
     "partition_iid",
     "sample_victims",
     "synthetic_dataset",

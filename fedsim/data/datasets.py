@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from fedsim.net import url_reachable
 
+from .hf import BUILTIN, load_hf, parse_source
 from .normalization import DatasetSpec, canonical_name, get_spec, normalize
 
 logger = logging.getLogger("fedsim.data")
@@ -58,8 +59,7 @@ class ImageTensorDataset(Dataset):
     def __init__(self, images: torch.Tensor, targets: torch.Tensor, source: str) -> None:
         if images.dim() != 4 or targets.dim() != 1 or images.shape[0] != targets.shape[0]:
             raise ValueError(
-                f"images must be NxCxHxW and targets N, got {tuple(images.shape)} / "
-                f"{tuple(targets.shape)}"
+                f"images must be NxCxHxW and targets N, got {tuple(images.shape)} / {tuple(targets.shape)}"
             )
         self.images = images
         self.targets = targets.to(torch.int64)
@@ -200,20 +200,20 @@ def _try_torchvision(
     except Exception as exc:  # files there but not in the dataset's format (torchvision asserts)
         where = root / ("MNIST/raw" if canon == "mnist" else "cifar-10-batches-py")
         raise DataUnavailableError(
-            f"{canon} files under {where} are not valid {canon} files ({type(exc).__name__}: {str(exc) or 'bad format'}); "
-            f"replace them with the original files or remove them to use the offline sample"
+            f"{canon} files under {where} are not valid {canon} files "
+            f"({type(exc).__name__}: {str(exc) or 'bad format'}); "
+            "replace them with the original files or remove them to use the offline sample"
         ) from None
     if not download:
         return None
-    probe_url = (
-        tvd.MNIST.mirrors[0] + tvd.MNIST.resources[0][0] if canon == "mnist" else tvd.CIFAR10.url
-    )
+    probe_url = tvd.MNIST.mirrors[0] + tvd.MNIST.resources[0][0] if canon == "mnist" else tvd.CIFAR10.url
     if not url_reachable(probe_url, timeout_s):
         logger.info("%s: download server %s not reachable within %.0f s", canon, probe_url, timeout_s)
         return None
     try:
         return _download_with_timeout(
-            lambda: cls(str(root), train=train, transform=transform, download=True), timeout_s  # fails fast offline: the offline fallback follows
+            lambda: cls(str(root), train=train, transform=transform, download=True),
+            timeout_s,  # fails fast offline: the offline fallback follows
         )
     except Exception as exc:  # network, checksum or extraction failure: fall back
         logger.info("%s: download failed (%s: %s)", canon, type(exc).__name__, exc)
@@ -279,9 +279,7 @@ def _cifar10_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensor
     split = "train" if train else "test"
     where = root / "cifar-10-batches-py"
     foolbox_dir = _package_dir("foolbox")
-    images, labels = (
-        _read_foolbox_pngs(foolbox_dir, "cifar10") if foolbox_dir is not None else (None, None)
-    )
+    images, labels = _read_foolbox_pngs(foolbox_dir, "cifar10") if foolbox_dir is not None else (None, None)
     if labels is None or not len(labels):
         raise DataUnavailableError(
             f"CIFAR-10 ({split}) is not available: no files under {where}, the download failed "
@@ -348,8 +346,12 @@ def load_dataset(
     channels: int | None = None,
     download: bool = True,
     timeout_s: float = 20,
+    source: str = "builtin",
 ) -> Dataset:
     """Load ``name`` ('mnist', 'cifar10' or 'imagenet') yielding ``(normalized CxHxW, int label)``.
+
+    ``source`` other than "builtin" reads the images from a Hugging Face dataset (``hf:NAME[:CONFIG]``)
+    or a local image folder (``imagefolder:PATH``) and brings them to ``name``'s spec (fedsim/data/hf.py).
 
     Order of attempts for MNIST / CIFAR-10: torchvision files under ``root``; if ``download``, a
     download after a reachability probe limited to ``timeout_s`` (and every socket operation of the
@@ -361,6 +363,12 @@ def load_dataset(
     canon = canonical_name(name)
     spec = get_spec(canon, channels)
     root = Path(root).expanduser()
+    if source not in ("", BUILTIN):
+        try:
+            parse_source(source)
+        except ValueError as err:
+            raise DataUnavailableError(str(err)) from None
+        return load_hf(source, spec, train, download=download, timeout_s=min(timeout_s, 5))
     if canon == "imagenet":
         return _load_imagenet(root, train, spec)
     dataset = _try_torchvision(canon, root, train, spec, download, timeout_s)
@@ -390,14 +398,11 @@ def load_victim_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         ) from None
     if not isinstance(data, dict):
         raise VictimFileError(
-            f"victim file {path} holds a {type(data).__name__}, expected a dict with keys "
-            f"'inputs' and 'targets'"
+            f"victim file {path} holds a {type(data).__name__}, expected a dict with keys 'inputs' and 'targets'"
         )
     missing = [key for key in ("inputs", "targets") if key not in data]
     if missing:
-        raise VictimFileError(
-            f"victim file {path} lacks key(s) {missing}; found {sorted(map(str, data))}"
-        )
+        raise VictimFileError(f"victim file {path} lacks key(s) {missing}; found {sorted(map(str, data))}")
     inputs, targets = data["inputs"], data["targets"]
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise VictimFileError(f"victim file {path}: 'inputs' and 'targets' must be tensors")

@@ -101,10 +101,7 @@ def _channel_stats(
 
 def _check_channels(x: torch.Tensor, spec: DatasetSpec) -> None:
     if x.dim() < 3 or x.shape[-3] != spec.channels:
-        raise ValueError(
-            f"expected a tensor shaped (..., {spec.channels}, H, W) for {spec.name}, "
-            f"got {tuple(x.shape)}"
-        )
+        raise ValueError(f"expected a tensor shaped (..., {spec.channels}, H, W) for {spec.name}, got {tuple(x.shape)}")
 
 
 def normalize(x: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
@@ -123,9 +120,7 @@ def denormalize(x: torch.Tensor, spec: DatasetSpec, *, clamp: bool) -> torch.Ten
     return denormalize_stats(x, spec.mean, spec.std, clamp=clamp)
 
 
-def denormalize_stats(
-    x: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, clamp: bool
-) -> torch.Tensor:
+def denormalize_stats(x: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, clamp: bool) -> torch.Tensor:
     """:func:`denormalize` with explicit per-channel ``mean``/``std`` (shape (..., C, H, W); a
     one-entry mean/std applies to every channel), for callers that hold statistics, not a spec."""
     mean_t, std_t = _channel_stats(mean, std, x)

@@ -48,10 +48,18 @@ class VictimSet:
 PAPER_VICTIMS: dict[str, VictimSet] = {
     s.dataset: s
     for s in (
-        VictimSet("mnist", "MNIST_128.tdump",
-                  "6bc361169e1a06e661e9078507b8513ea4971410d34c2fcf185719242974c8e2", (128, 1, 28, 28)),
-        VictimSet("cifar10", "CIFAR10_128.tdump",
-                  "b0d591f982736658802f61e311b89679b4f113b1f8bfd0c3e5e406dd7ad6dd74", (128, 3, 32, 32)),
+        VictimSet(
+            "mnist",
+            "MNIST_128.tdump",
+            "6bc361169e1a06e661e9078507b8513ea4971410d34c2fcf185719242974c8e2",
+            (128, 1, 28, 28),
+        ),
+        VictimSet(
+            "cifar10",
+            "CIFAR10_128.tdump",
+            "b0d591f982736658802f61e311b89679b4f113b1f8bfd0c3e5e406dd7ad6dd74",
+            (128, 3, 32, 32),
+        ),
     )
 }
 
@@ -95,8 +103,10 @@ def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
 
 
 def _how_to_get(s: VictimSet, path: Path) -> str:
-    return (f"run `make victims` (or `fedsim victims`) where the network allows, "
-            f"or put the authors' {s.filename} (sha256 {s.sha256}) at {path}")
+    return (
+        f"run `make victims` (or `fedsim victims`) where the network allows, "
+        f"or put the authors' {s.filename} (sha256 {s.sha256}) at {path}"
+    )
 
 
 def _fetch(url: str, timeout_s: float) -> bytes:
@@ -118,8 +128,9 @@ def _fetch(url: str, timeout_s: float) -> bytes:
         raise TimeoutError(f"no complete answer within {timeout_s:g} s") from None
 
 
-def fetch_paper_victims(dataset: str, data_root: str | Path = "data", *, base_url: str | None = None,
-                        timeout_s: float = FETCH_TIMEOUT_S) -> Path:
+def fetch_paper_victims(
+    dataset: str, data_root: str | Path = "data", *, base_url: str | None = None, timeout_s: float = FETCH_TIMEOUT_S
+) -> Path:
     """Download the paper's victims of ``dataset`` into the data folder, checked against the pinned
     hash before anything is written (atomically): the path, or :class:`VictimFileError`."""
     s, path, url = victim_set(dataset), paper_victims_path(dataset, data_root), source_url(dataset, base_url)
@@ -127,12 +138,14 @@ def fetch_paper_victims(dataset: str, data_root: str | Path = "data", *, base_ur
         body = _fetch(url, timeout_s)
     except Exception as exc:  # noqa: BLE001 - any failure of the fetch is one line for the user
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VictimFileError(f"could not fetch the paper's {dataset} victims from {url}: {reason[:200]}; "
-                              f"{_how_to_get(s, path)}") from None
+        raise VictimFileError(
+            f"could not fetch the paper's {dataset} victims from {url}: {reason[:200]}; {_how_to_get(s, path)}"
+        ) from None
     found = hashlib.sha256(body).hexdigest()
     if found != s.sha256:
-        raise VictimFileError(f"the file fetched from {url} has sha256 {found}, expected {s.sha256} for "
-                              f"{s.filename}; nothing was written")
+        raise VictimFileError(
+            f"the file fetched from {url} has sha256 {found}, expected {s.sha256} for {s.filename}; nothing was written"
+        )
     if path.parent.exists() and not path.parent.is_dir():
         raise VictimFileError(f"cannot store the paper's victims: {path.parent} is a file, not a folder")
     atomic_write(path, body, fsync=True)
@@ -140,9 +153,15 @@ def fetch_paper_victims(dataset: str, data_root: str | Path = "data", *, base_ur
     return path
 
 
-def paper_victims(dataset: str, data_root: str | Path = "data", *, allow_download: bool | None = None,
-                  base_url: str | None = None, timeout_s: float = FETCH_TIMEOUT_S,
-                  log: Callable[[str], object] | None = None) -> Path:
+def paper_victims(
+    dataset: str,
+    data_root: str | Path = "data",
+    *,
+    allow_download: bool | None = None,
+    base_url: str | None = None,
+    timeout_s: float = FETCH_TIMEOUT_S,
+    log: Callable[[str], object] | None = None,
+) -> Path:
     """The verified local file of the paper's victims of ``dataset``, fetched on first use.
 
     ``allow_download`` None follows ``DLA_OFFLINE``. Raises :class:`VictimFileError` in one line when
@@ -152,15 +171,19 @@ def paper_victims(dataset: str, data_root: str | Path = "data", *, allow_downloa
         stat = path.stat()
         found = _cached_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         if found != s.sha256:
-            raise VictimFileError(f"{path} has sha256 {found}, expected {s.sha256} (not the paper's "
-                                  f"{s.filename}); delete it and {_how_to_get(s, path)}")
+            raise VictimFileError(
+                f"{path} has sha256 {found}, expected {s.sha256} (not the paper's "
+                f"{s.filename}); delete it and {_how_to_get(s, path)}"
+            )
         return path
     if path.exists():
         raise VictimFileError(f"{path} is not a file; remove it and {_how_to_get(s, path)}")
     allowed = downloads_allowed() if allow_download is None else allow_download
     if not allowed:
-        raise VictimFileError(f"the paper's {dataset} victims ({path}) are not there and downloads are off "
-                              f"({OFFLINE_ENV}=1): {_how_to_get(s, path)}")
+        raise VictimFileError(
+            f"the paper's {dataset} victims ({path}) are not there and downloads are off "
+            f"({OFFLINE_ENV}=1): {_how_to_get(s, path)}"
+        )
     if log is not None:
         log(f"fetching the paper's {dataset} victims from {source_url(dataset, base_url)} into {path} ...")
     return fetch_paper_victims(dataset, data_root, base_url=base_url, timeout_s=timeout_s)
