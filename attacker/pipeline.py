@@ -18,7 +18,7 @@ from .captures import capture_paths, jobs_from_captures
 from .config import ConfigError, RunConfig, dump_config
 from .engine.lbfgs import lbfgs_fits
 from .engine.replay import unroll_bytes
-from .engine.runner import run_jobs
+from .engine.runner import check_batch_sizes, run_jobs
 from .jobs import (
     BatchOrderError,
     JobResult,
@@ -108,8 +108,10 @@ def load_jobs(
             raise ConfigError(f"{v.captures} holds no captures to attack")
         if any(o is None for o in oracles):
             log("no oracle (the run was not audited): WIIG is skipped and only losses are reported")
+        check_batch_sizes((j.spec, j.batch_size) for j in jobs)  # a model that couples a batch must run on it
         return jobs, oracles
     batches = build_victims(cfg, log)
+    check_batch_sizes((cfg.model_spec(), len(labels)) for _, labels in batches)
     jobs, images_oracles = jobs_from_images(cfg.model_spec(), batches, seed=cfg.seed, plan=cfg.local_plan())
     return apply_label_policy(jobs, cfg.labels), list(images_oracles)
 
@@ -239,6 +241,8 @@ def run_attack(
     atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
     spec = all_jobs[0].spec
     what = "victim batches" if jobs[0].plan is None else f"client updates of {len(jobs[0].steps)} local steps"
+    if jobs[0].plan is not None and jobs[0].plan.proximal_mu:  # the replay includes FedProx's term
+        what += f" (FedProx, mu {jobs[0].plan.proximal_mu:g})"
     log(
         f"{len(all_jobs)} victim jobs: {len(jobs)} {what} x {len(attack_cfgs)} attacks "
         f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, "
@@ -256,6 +260,7 @@ def run_attack(
         progress=progress,
         max_jobs_per_group=group_cap,
         score_oracles=pairs.curve_oracles,
+        log=log,
     )
     iterations = sum(len(r.losses) for r in results)
     log(

@@ -1,7 +1,8 @@
 """Your own model (fedsim/models/own.py): ``module.path:factory`` and ``timm:NAME`` resolve through the
 model table to its generic entries, their dropout (modules and timm's functional F.dropout) is
 recorded and replayed like the built-in models', the attack engine's per-job terms equal plain
-autograd on them (BatchNorm and ViTs by the one-job autograd path, the others batched), the
+autograd on them (all batched by the engine's per-layer hybrid: eval-mode BatchNorm and timm's ViT
+too, see tests/test_hybrid_terms.py), the
 attacker and the federation run on the example CNN, and bad models are one line, exit 2."""
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from fedsim.models.own import CALLABLE_KEY, TIMM_KEY, TRUSTED_FACTORIES_ENV
 from .conftest import ROOT
 
 CNN = "examples.own_model:small_cnn"
-# name, options, whether the engine's batched path takes it (else: one job at a time by autograd)
+# name, options, whether the engine batches its jobs (else: one job at a time by autograd)
 CASES = {
     "cnn": (CNN, {}, True),
-    "timm_resnet18": ("timm:resnet18", {}, False),  # BatchNorm (eval mode), functional head dropout
-    "timm_vit": ("timm:vit_tiny_patch16_224", {"img_size": 32, "patch_size": 4, "depth": 2}, False),
+    "timm_resnet18": ("timm:resnet18", {}, True),  # BatchNorm (eval mode), functional head dropout
+    "timm_vit": ("timm:vit_tiny_patch16_224", {"img_size": 32, "patch_size": 4, "depth": 2}, True),
     "torchvision_squeezenet": ("torchvision.models:squeezenet1_1", {"dropout": 0.25}, True),
 }
 

@@ -4,8 +4,9 @@ A group's jobs share the model and its weights; each has its own target (the cap
 update) and labels. The terms (per-parameter dot products and squared norms, ``gradients.MatchTerms``)
 come from one of four paths, chosen once from the jobs:
 
-* a gradient capture, a model the batched path knows: ``PerJobGradients`` (no per-job weight gradients);
-* a gradient capture otherwise (BatchNorm, one job per group): autograd on the job's batch;
+* a gradient capture: ``PerJobGradients``, per layer the batched closed form or the per-job vjp
+  (gradients.py, hybrid.py), for every model whose layers do not couple the images of a batch;
+* a gradient capture otherwise (train-mode BatchNorm, one job per group): autograd on the job's batch;
 * a pruned capture (``match_support``): job by job by autograd, each gradient cut to the kept entries;
 * an update capture: the client's local round replayed differentiably (``replay``).
 """
@@ -19,7 +20,7 @@ from fedsim.models import set_masks
 
 from ..attacks import AttackConfig
 from ..jobs import VictimJob, support_mask
-from .gradients import MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
+from .gradients import ONE_JOB, MatchTerms, PerJobGradients, UnsupportedModelError, autograd_terms
 from .replay import annealed_eps, replay_terms
 
 
@@ -47,6 +48,21 @@ class Matcher(nn.Module):
                     "this model (BatchNorm) couples the images of a batch: run its jobs one per module"
                 ) from None
         self._targets_for: tuple[int, ...] | None = None
+        self._ghost_ran = False
+
+    def gradient_paths(self) -> dict[str, str]:
+        """Which path each layer's per-job terms took (the last pass's): ``gradients.PerJobGradients.paths``
+        for the per-layer hybrid; every layer one job at a time by autograd otherwise (a layer that couples
+        the images of a batch, a pruned capture) or through the replay of the client's round (an update)."""
+        if self.ghost is not None:
+            return dict(self.ghost.paths)
+        path = ONE_JOB if self.plan is None else "replay (autograd per job)"
+        names: dict[str, str] = {}
+        for mname, module in self.model.named_modules():
+            own = [k for k, _ in module.named_parameters(recurse=False)]
+            if own:
+                names[mname or type(module).__name__] = path
+        return names
 
     def targets(self, rows: list[int] | slice) -> list[Tensor]:
         return [getattr(self, f"target_{i}")[rows] for i in range(self.num_params)]
@@ -81,7 +97,15 @@ class Matcher(nn.Module):
             index = torch.tensor(active, device=self.labels.device) if len(active) < self.V else None
             self.ghost.set_targets(self.targets(slice(None)), jobs=index)  # low-rank targets factored once
             self._targets_for = key
-        return self.ghost.compute(x, labels, len(active))
+        if self._ghost_ran or self.V > 1:
+            return self.ghost.compute(x, labels, len(active))
+        try:  # a single job: where the batched pass fails on the model, plain autograd takes the job
+            terms = self.ghost.compute(x, labels, len(active))
+        except Exception:  # the runner's probe (PerJobGradients.check) sends such models here alone
+            self.ghost = None
+            return self._with_weight_grads(lambda: autograd_terms(self.model, x, labels, self.targets(active)))
+        self._ghost_ran = True
+        return terms
 
     def _pruned_terms(self, x: Tensor, active: list[int], layers: list[Tensor]) -> MatchTerms:
         parts = []

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
-from fedsim.atomic import atomic_path
-from fedsim.models import model_family
+from fedsim.atomic import atomic_path, atomic_write
+from fedsim.models import ModelSpec, model_family
 
 from ..attacks import AttackConfig
 from ..curves import SSIMCurve
@@ -65,7 +65,8 @@ def _check_checkpoint(path: Path) -> None:
 
 def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
     """Jobs sharing model spec, weights object, batch size and what they match (a gradient, or an
-    update of the same local steps) run as one optimization."""
+    update of the same local steps under the same optimizer and FedProx mu) run as one optimization:
+    the matcher replays a group with its first job's plan."""
     groups: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
         key = (
@@ -74,6 +75,7 @@ def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
             job.batch_size,
             job.kind,
             json.dumps(job.steps),
+            None if job.plan is None else (repr(job.plan.optimizer), job.plan.proximal_mu),
         )
         groups.setdefault(key, []).append(i)
     return list(groups.values())
@@ -102,6 +104,53 @@ def device_kind(accelerator: str) -> str:
     return "gpu" if on_gpu else "cpu"
 
 
+def check_batch_sizes(batches: Iterable[tuple[ModelSpec, int]]) -> None:
+    """A model whose layers couple the images of a batch (train-mode BatchNorm) must run on each
+    victim batch (model spec, batch size B) as the client did: one line (``ModelSpecError``) where it
+    cannot, e.g. train-mode BatchNorm at B = 1 with a feature map that reaches 1x1 (a single value
+    per channel). Called before anything is run or written."""
+    from fedsim.models import DropoutMode, ModelSpecError, build_model, dropout_mode
+
+    seen: set[tuple[str, int]] = set()
+    coupled: dict[str, str | None] = {}
+    for spec, batch_size in batches:
+        key = json.dumps(spec.to_dict(), sort_keys=True, default=repr)
+        if (key, batch_size) in seen:
+            continue
+        seen.add((key, batch_size))
+        model = build_model(spec)
+        if key not in coupled:
+            coupled[key] = PerJobGradients.check(model)
+        if coupled[key] is None:
+            continue
+        model.train()
+        try:
+            with torch.no_grad(), dropout_mode(model, DropoutMode.OFF):
+                model(torch.zeros(batch_size, *spec.input_shape))
+        except Exception as err:  # the model's own forward: its error, in one line
+            text = str(err).strip().splitlines()
+            raise ModelSpecError(
+                f"model {spec.name} cannot run a victim batch of B = {batch_size} as the client ran it "
+                f"({coupled[key]}): {type(err).__name__}: {text[0] if text else ''}; use a larger victim batch "
+                "(B >= 2)"
+            ) from None
+
+
+GRADIENT_PATHS = "gradient_paths.json"  # in the run folder: the path each layer's per-job terms took
+
+
+def describe_paths(paths: dict[str, str]) -> str:
+    """One line: how many layers took each path, naming those off the batched one."""
+    by_path: dict[str, list[str]] = {}
+    for layer, path in paths.items():
+        by_path.setdefault(path, []).append(layer)
+    parts = []
+    for path, layers in sorted(by_path.items(), key=lambda kv: (not kv[0].startswith("batched"), kv[0])):
+        named = "" if path.startswith("batched") else f" ({', '.join(layers[:8])}{', ...' if len(layers) > 8 else ''})"
+        parts.append(f"{len(layers)} {path}{named}")
+    return "; ".join(parts) if parts else "no layer with parameters"
+
+
 def run_jobs(
     jobs: list[VictimJob],
     attacks: list[AttackConfig],
@@ -115,10 +164,16 @@ def run_jobs(
     max_jobs_per_group: int = 512,
     score_oracles: list[Oracle | None] | None = None,
     curve_every: int = 100,
+    log: Callable[[str], object] | None = None,
 ) -> list[JobResult]:
     """Optimize every job; results come back in job order. An interrupted run resumes from the
     groups' last checkpoints when called again with the same jobs and run_dir. With
-    ``score_oracles`` (the ground truth, for scoring only), each result carries its SSIM curve."""
+    ``score_oracles`` (the ground truth, for scoring only), each result carries its SSIM curve.
+
+    Which path each layer's per-job gradient terms took (gradients.PerJobGradients: batched,
+    batched-factored, per-job vjp; or one-job autograd for a model with a layer that couples a batch)
+    is written per group to ``gradient_paths.json`` in the run folder, and said in one line per
+    group to ``log`` (the run's log)."""
     run_dir = Path(run_dir)
     results: list[JobResult | None] = [None] * len(jobs)
     groups = []
@@ -128,13 +183,22 @@ def run_jobs(
         cap = min(max_jobs_per_group, model_family(jobs[group[0]].spec.name).group_caps.get(kind, max_jobs_per_group))
         for start in range(0, len(group), cap):
             groups.append(group[start : start + cap])
-    # BatchNorm models cannot batch jobs, nor can L-BFGS (one objective per optimizer): single-job groups.
+    # A model with a layer that couples a batch (train-mode BatchNorm) cannot batch jobs, nor can L-BFGS
+    # (one objective per optimizer): single-job groups. Checked once per model spec (a probe pass).
     split = []
+    checked: dict[str, str | None] = {}
     for group in groups:
-        batched = PerJobGradients.check(model_from_job(jobs[group[0]])) is None
+        first = jobs[group[0]]
+        key = json.dumps(first.spec.to_dict(), sort_keys=True, default=repr)
+        if key not in checked:
+            checked[key] = PerJobGradients.check(model_from_job(first), tuple(first.spec.input_shape))
+            if checked[key] is not None and log is not None:
+                log(f"{first.spec.name}: victim jobs one at a time by autograd: {checked[key]}")
+        batched = checked[key] is None
         alone = [i for i in group if not batched or attacks[i].optimizer == "lbfgs"]
         rest = [i for i in group if i not in alone]
         split.extend([[i] for i in alone] + ([rest] if rest else []))
+    record: dict[str, dict] = {}
     for g, group in enumerate(split):
         module = InversionModule(
             [jobs[i] for i in group],
@@ -172,6 +236,12 @@ def run_jobs(
                 warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
                 # weights_only: a checkpoint is read as tensors and plain data, never as arbitrary pickles.
                 trainer.fit(module, ckpt_path=str(last) if last.exists() else None, weights_only=True)
+        paths = module.matcher.gradient_paths()
+        record[f"group{g:03d}"] = {"jobs": [jobs[i].job_id for i in group], "layers": paths}
+        atomic_write(run_dir / GRADIENT_PATHS, json.dumps(record, indent=1))
+        if log is not None:
+            what = f"group {g} ({len(group)} jobs, {jobs[group[0]].spec.name})"
+            log(f"{what}: per-job gradient terms: {describe_paths(paths)}")
         for k, (i, result) in enumerate(zip(group, module.results())):
             if curve is not None:
                 result.ssim_curve = list(curve.points[k])

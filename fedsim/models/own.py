@@ -17,17 +17,22 @@ What ``adapt`` does to the model, once per build:
 * in-place activations and fused attention are switched off: the attack keeps layer outputs that an
   in-place op would overwrite, and differentiates the model's gradient a second time, which fused
   attention (``F.scaled_dot_product_attention``'s CPU kernel) does not support;
-* BatchNorm runs in eval mode, in the clients' training and in the attack alike: an affine map of each
-  image with the running statistics, which the per-job gradient of the attack can take one job at a
-  time. Train-mode BatchNorm couples the images of a batch and is refused for now.
+* BatchNorm runs as the client runs it, chosen by the model option ``batchnorm_mode``
+  (``BATCHNORM_OPTION``, never passed to the factory): "eval" (the default) keeps it in eval mode in
+  the clients' training and in the attack alike, an affine map of each image with the running
+  statistics, which the attack batches like any layer; "train" leaves it to the model's mode, so
+  the clients' local rounds normalize by their batch's statistics (and update the running ones) and
+  so does the attack's replay of a victim batch: the images of a batch are coupled, so the attack
+  takes each victim batch as one job, one at a time (attacker/engine/gradients.py), and needs B >= 2
+  wherever a feature map reaches 1x1 (train-mode BatchNorm rejects a single value per channel).
 
 What it refuses, in one line naming the model or the layer (``ModelSpecError``): a factory that cannot
 be imported or raises, an unknown timm name, an output that is not (batch, classes) logits, a dropout
 whose rate is not the run's p, a dropout layer that runs twice in one pass, functional dropout it
 cannot route (in place, channel-wise, alpha, inside attention), any other random draw in ``forward``
 (stochastic depth, timm's ``drop_path_rate``: a second random mask the attack does not model yet),
-train-mode BatchNorm, a layer output changed in place, and a model whose gradient the attack cannot
-differentiate (``check_own_model``).
+train-mode BatchNorm unless ``batchnorm_mode`` is "train", a layer output changed in place, and a
+model whose gradient the attack cannot differentiate (``check_own_model``).
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ RUN_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "p": ("p", "drop_rate", "dropout"),
     "size": ("image_size", "img_size"),
 }
+# The model option that chooses how BatchNorm runs ("eval" or "train"; see the module docstring).
+BATCHNORM_OPTION = "batchnorm_mode"
+BATCHNORM_MODES = ("eval", "train")
 # timm's create_model arguments the run sets.
 TIMM_RUN_ARGUMENTS = ("pretrained", "num_classes", "in_chans", "drop_rate")
 
@@ -217,9 +225,24 @@ def _call(make: Callable[[], Any], what: str) -> Any:
         raise ModelSpecError(f"{what} raised {_one_line(err)}") from None
 
 
+def batchnorm_mode(spec: ModelSpec) -> str:
+    """How the model's BatchNorm runs: the model option ``batchnorm_mode`` ("eval" by default)."""
+    mode = spec.options.get(BATCHNORM_OPTION, "eval")
+    if mode not in BATCHNORM_MODES:
+        raise ModelSpecError(
+            f"model option {BATCHNORM_OPTION} of {spec.name} must be one of {BATCHNORM_MODES}, got {mode!r}"
+        )
+    return mode
+
+
+def _factory_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k != BATCHNORM_OPTION}
+
+
 def from_callable(spec: ModelSpec, channels: int, size: int, classes: int, options: dict[str, Any]) -> nn.Module:
     """``module.path:factory``: the factory called with the model options (and the run's values it names)."""
     factory = _import_factory(spec.name)
+    options = _factory_options(options)
     run = _run_arguments(factory, {"classes": classes, "channels": channels, "p": spec.p, "size": size})
     clash = sorted(set(run) & set(options))
     if clash:
@@ -242,6 +265,7 @@ def from_timm(spec: ModelSpec, channels: int, size: int, classes: int, options: 
         close = difflib.get_close_matches(arch, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else " (timm.list_models() lists them)"
         raise ModelSpecError(f"unknown timm model {arch!r}{hint}")
+    options = _factory_options(options)
     clash = sorted(set(TIMM_RUN_ARGUMENTS) & set(options))
     if clash:
         raise ModelSpecError(
@@ -327,18 +351,22 @@ class OwnModel(nn.Module):
     another order. The swapped ``nn.Dropout`` layers also sit at their own places in ``net``; the
     functional slots (``functional``: their indices in ``dropout``) live here only."""
 
-    def __init__(self, net: nn.Module, layers: list[MaskedDropout], functional: list[int]) -> None:
+    def __init__(
+        self, net: nn.Module, layers: list[MaskedDropout], functional: list[int], pin_batchnorm: bool = True
+    ) -> None:
         super().__init__()
         self.dropout = nn.ModuleList(layers)
         self.net = net
         self.functional = list(functional)
+        self.pin_batchnorm = pin_batchnorm
         self.train()
 
     def train(self, mode: bool = True) -> OwnModel:
         super().train(mode)
-        # Eval-mode BatchNorm, always (the module docstring says why): Lightning and the client's
-        # local round switch the whole model to train mode, and this keeps BatchNorm out of it.
-        _pin_batchnorm(self.net)
+        # Eval-mode BatchNorm unless batchnorm_mode is "train" (the module docstring says why): Lightning
+        # and the client's local round switch the whole model to train mode, and this keeps BatchNorm out of it.
+        if self.pin_batchnorm:
+            _pin_batchnorm(self.net)
         return self
 
     def forward(self, x: Tensor) -> Tensor:
@@ -364,7 +392,10 @@ def _refusal(func: Any, args: tuple, kwargs: dict) -> str | None:
     if func is F.scaled_dot_product_attention and float(_arg(args, kwargs, "dropout_p", 4, 0.0)) > 0:
         return "attention dropout inside F.scaled_dot_product_attention: its mask cannot be recorded"
     if func is F.batch_norm and _arg(args, kwargs, "training", 5, False):
-        return "train-mode BatchNorm (batch statistics couple the images of a batch; eval mode only for now)"
+        return (
+            "train-mode BatchNorm (batch statistics couple the images of a batch): give it running statistics "
+            f'(eval mode, the default), or set the model option {BATCHNORM_OPTION} to "train" to audit it as such'
+        )
     if func in _RANDOM or func in (F.rrelu, torch.rrelu) and _arg(args, kwargs, "training", 3, False):
         return (
             f"a random draw ({name}) outside dropout, e.g. stochastic depth (timm's drop_path_rate): a mask "
@@ -380,6 +411,7 @@ class _Probe(TorchFunctionMode):
     def __init__(self, spec: ModelSpec, events: list[MaskedDropout | str], where: Callable[[], str]) -> None:
         super().__init__()
         self.name, self.p, self.events, self.where = spec.name, spec.p, events, where
+        self.train_batchnorm = batchnorm_mode(spec) == "train"
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -398,6 +430,8 @@ class _Probe(TorchFunctionMode):
             self.events.append(self.where())
             return x
         problem = _refusal(func, args, kwargs)
+        if problem and self.train_batchnorm and func is F.batch_norm:
+            problem = None  # train-mode BatchNorm, asked for
         if problem:
             raise ModelSpecError(f"model {self.name}: {problem}, in {self.where()}")
         return func(*args, **kwargs)
@@ -466,6 +500,7 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
         inner = next((n for n in reversed(running) if n), "")
         return f"layer {inner} ({type(net.get_submodule(inner)).__name__})" if inner else "its forward"
 
+    buffers = {name: b.clone() for name, b in net.named_buffers()}  # train-mode BatchNorm would update them
     try:
         with torch.no_grad(), dropout_mode(net, DropoutMode.OFF), _Probe(spec, events, where):
             out = net(torch.zeros(2, *input_shape))
@@ -481,6 +516,10 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
     finally:
         for handle in handles:
             handle.remove()
+        with torch.no_grad():
+            for name, b in net.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
     for name, tensor, version in kept:
         if tensor._version != version:
             raise ModelSpecError(
@@ -503,8 +542,10 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
         raise ModelSpecError(f"model {spec.name} returned a {type(net).__name__}, not a torch nn.Module")
     _attack_ready(net)
     swaps = _swap_dropout(net, spec)
+    pin = batchnorm_mode(spec) == "eval"
     net.train()
-    _pin_batchnorm(net)
+    if pin:
+        _pin_batchnorm(net)
     events = _probe(net, spec, input_shape, classes)
     names = {id(m): n for n, m in net.named_modules()}
     runs: dict[int, int] = {}
@@ -535,7 +576,7 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
             f"model {spec.name} runs no dropout (nn.Dropout or F.dropout with p > 0) although p = {spec.p}: give "
             "it dropout at the run's rate (a factory gets it as its p, drop_rate or dropout argument), or use p = 0"
         )
-    return OwnModel(net, layers, functional)
+    return OwnModel(net, layers, functional, pin_batchnorm=pin)
 
 
 # -- the check: everything above, and a second-order gradient, once per spec and process ---------------
@@ -547,10 +588,11 @@ def _second_order_problem(model: nn.Module, spec: ModelSpec) -> str | None:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return f"model {spec.name} has no trainable parameters: there is no gradient to attack"
-    x = torch.randn(1, *spec.input_shape, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    n = 2 if batchnorm_mode(spec) == "train" else 1  # train-mode BatchNorm needs a batch (B >= 2)
+    x = torch.randn(n, *spec.input_shape, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
     try:
         with dropout_mode(model, DropoutMode.OFF):
-            loss = F.cross_entropy(model(x), torch.zeros(1, dtype=torch.long))
+            loss = F.cross_entropy(model(x), torch.zeros(n, dtype=torch.long))
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         norm = sum(g.pow(2).sum() for g in grads if g is not None)
         if not isinstance(norm, Tensor) or not norm.requires_grad:
