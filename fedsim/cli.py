@@ -145,13 +145,42 @@ def _check_new_folder(path: str | Path, what: str) -> Path:
     return path
 
 
+def _check_coupled_batches(cfg: dict[str, Any], model: Any) -> None:
+    """Train-mode BatchNorm (``batchnorm_mode: "train"``, or a built-in model's batch norm) normalizes
+    by the batch: run the model in train mode on a batch of each size the clients run (the victim batch
+    of a one-step capture round, the local batch), so that a size it rejects (B = 1 where a feature map
+    reaches 1x1: a single value per channel) is one line now, not a failure mid-simulation."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from fedsim.models import DropoutMode, dropout_mode
+    from fedsim.run_config import capture_rounds
+
+    model.train()
+    if not any(isinstance(m, _BatchNorm) and m.training for m in model.modules()):
+        return
+    sizes = {"batch-size": int(cfg["batch-size"])}
+    if capture_rounds(cfg) and cfg["capture-kind"] == "gradient":
+        sizes["victim-batch-size"] = int(cfg["victim-batch-size"])
+    for key, size in sorted(sizes.items(), key=lambda kv: kv[1]):
+        try:
+            with torch.no_grad(), dropout_mode(model, DropoutMode.OFF):
+                model(torch.zeros(size, *model.spec.input_shape))
+        except Exception as err:  # the model's own forward: its error, in one line
+            text = str(err).strip().splitlines()
+            raise UsageError(
+                f"model {cfg['model']} runs BatchNorm in train mode (batch statistics) and fails on a batch of "
+                f"{key} = {size} ({type(err).__name__}: {text[0] if text else ''}): use {key} >= 2"
+            ) from None
+
+
 def _check_model_and_data(cfg: dict[str, Any]) -> None:
     """Build the model and load the test split now, before any Ray or Flower process starts, so a
     bad model or a missing or corrupt data root is one line (the simulation reuses the split)."""
     from fedsim import task
 
     cfg["data-root"] = str(Path(cfg["data-root"]).expanduser().resolve())  # as the simulation resolves it
-    task.make_model(cfg)
+    _check_coupled_batches(cfg, task.make_model(cfg))
     for change in task.check_defense(cfg):  # dp-fix-model: what Opacus' ModuleValidator.fix changed
         console.print(f"dp-fix-model: {change}")
     task.load_split(cfg, train=False)

@@ -162,6 +162,26 @@ def test_simulate_bad_values(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_train_mode_batchnorm_with_a_victim_batch_of_one_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """timm's resnet18 reaches a 1x1 map at 32x32: train-mode BatchNorm cannot take one image. The
+    federation would fail in its first capture round; it is one line before anything is written."""
+    from fedsim.cli import _check_coupled_batches
+    from fedsim.task import make_model
+
+    args = ["--model", "timm:resnet18", "--dataset", "cifar10", "--model-options", '{"batchnorm_mode": "train"}']
+    args += ["--capture-rounds", "1", "--victim-batch-size", "1", "--run-dir", str(tmp_path / "run")]
+    assert main(["simulate", "--no-download", *args]) == 2
+    _one_error_line(capsys, "timm:resnet18", "BatchNorm in train mode", "victim-batch-size = 1", ">= 2")
+    assert list(tmp_path.iterdir()) == []
+    cfg = run_config_from_args(build_parser().parse_args(["simulate", *args[:-6], "--capture-rounds", "1"]))
+    cfg["victim-batch-size"] = 2
+    _check_coupled_batches(cfg, make_model(cfg))  # B = 2: accepted
+    cfg["capture-rounds"], cfg["victim-batch-size"] = "", 1
+    _check_coupled_batches(cfg, make_model(cfg))  # no one-step capture round: no victim batch to run
+
+
 def test_simulate_missing_or_corrupt_data_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     not_a_folder = tmp_path / "data.txt"
     not_a_folder.write_text("not a dataset")

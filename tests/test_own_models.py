@@ -51,6 +51,7 @@ def _trusted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The factories these tests build directly count as named by the user (fedsim.models.own); the
     variable is restored after each test, whatever a CLI call added to it."""
     names = [CNN, "torchvision.models:squeezenet1_1", "tests.test_own_models:OutOfOrder"]
+    names += ["tests.test_own_models:InPlaceConv"]
     monkeypatch.setenv(TRUSTED_FACTORIES_ENV, ",".join(names))
 
 
@@ -83,14 +84,33 @@ class TrainModeBatchNorm(nn.Module):
 
 
 class InPlaceConv(nn.Module):
+    """Changes Conv2d and Linear outputs in place: the engine copies what it keeps and reruns the pass."""
+
+    def __init__(self, num_classes: int = 10, p: float = 0.25) -> None:
+        super().__init__()
+        self.conv, self.hidden = nn.Conv2d(3, 4, 3, stride=4), nn.Linear(4 * 8 * 8, 6)
+        self.drop, self.fc = nn.Dropout(p), nn.Linear(6, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        x += 1
+        x.relu_()
+        h = self.hidden(x.flatten(1))
+        F.relu_(h)
+        return self.fc(self.drop(h))
+
+
+class OwnDropPath(nn.Module):
+    """A stochastic depth of its own (not timm's DropPath module): a draw the attack cannot replay."""
+
     def __init__(self, num_classes: int = 10, p: float = 0.25) -> None:
         super().__init__()
         self.conv, self.drop, self.fc = nn.Conv2d(3, 4, 3), nn.Dropout(p), nn.Linear(4, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv(x)
-        x.relu_()
-        return self.fc(self.drop(x.mean((2, 3))))
+        keep = x.new_empty(x.shape[0], 1, 1, 1).bernoulli_(0.9) if self.training else 1.0
+        return self.fc(self.drop((x + x * keep).mean((2, 3))))
 
 
 class DropoutTwice(nn.Module):
@@ -226,10 +246,12 @@ def _engine_terms(model, spec, x, y, masks, targets, V, batched):
     return torch.cat(dots, 1), torch.cat(norms, 1)
 
 
-@pytest.mark.parametrize("case", [*CASES, "out_of_order"])
+@pytest.mark.parametrize("case", [*CASES, "out_of_order", "in_place"])
 def test_engine_terms_equal_plain_autograd(case: str) -> None:
     if case == "out_of_order":
         model, batched = build_model("tests.test_own_models:OutOfOrder", "cifar10", 0.25), True
+    elif case == "in_place":  # Conv2d and Linear outputs changed in place (x += 1, relu_): no longer refused
+        model, batched = build_model("tests.test_own_models:InPlaceConv", "cifar10", 0.25), True
     else:
         model, batched = _build(case), CASES[case][2]
     assert (PerJobGradients.check(model) is None) == batched
@@ -284,10 +306,9 @@ def test_attacker_run_on_the_example_cnn(tmp_path: Path, capsys: pytest.CaptureF
         ("tests.test_own_models:raising_factory", None, "raised RuntimeError: the factory fails"),
         ("tests.test_own_models:wrong_classes", None, "returns shape (2, 7) for 2 images, not (2, 10)"),
         ("timm:resnet18x", None, "unknown timm model 'resnet18x'; did you mean resnet18"),
-        ("timm:resnet18", '{"drop_path_rate": 0.1}', "a random draw (bernoulli_) outside dropout"),
+        ("tests.test_own_models:OwnDropPath", None, "a random draw (bernoulli_) outside dropout and timm's DropPath"),
         ("timm:resnet18", '{"pretrained": true}', "are set by the run"),
         ("tests.test_own_models:TrainModeBatchNorm", None, "train-mode BatchNorm"),
-        ("tests.test_own_models:InPlaceConv", None, "the output of layer conv (Conv2d)"),
         ("tests.test_own_models:DropoutTwice", None, "dropout layer drop of tests.test_own_models:DropoutTwice runs"),
         ("torchvision.models:squeezenet1_1", None, "has p = 0.5, the run's p is 0.25"),
         (CNN, '{"p": 0.5}', "come from the run"),

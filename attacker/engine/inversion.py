@@ -158,7 +158,7 @@ class InversionModule(LightningModule):
         loss = DISTANCES[self.distance_names[0]](terms)
         for d, name in enumerate(self.distance_names[1:], start=1):
             loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
-        inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies)
+        inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies, self.unknowns.mask_rates)
         for key, term in TERMS.items():
             weight = getattr(self, f"weight_{key}").index_select(0, index)
             if weight.any():  # a term no active job uses is not computed

@@ -99,6 +99,10 @@ class MaskContext:
     gradient: list[Tensor] | None  # the one-step gradient; None for an update (several steps)
     oracle: Any  # attacker.jobs.Oracle, only for modes with uses_oracle
     generator: torch.Generator
+    rates: list[float] | None = None  # per mask, its drop rate where it is not p (stochastic depth)
+
+    def rate_of(self) -> list[float]:
+        return self.rates if self.rates is not None else [self.p] * len(self.shapes)
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class MaskMode:
 
 def _off(ctx: MaskContext) -> list[Tensor]:
     # a constant 1 - p cancels the 1/(1 - p) scaling: dropout off, as in eval mode
-    return [torch.full(s, 1.0 - ctx.p) for s in ctx.shapes]
+    # (each mask at its own rate: a stochastic-depth layer scales by 1/(1 - its rate))
+    return [torch.full(s, 1.0 - q) for s, q in zip(ctx.shapes, ctx.rate_of())]
 
 
 def _oracle(ctx: MaskContext) -> list[Tensor]:
@@ -120,11 +125,16 @@ def _oracle(ctx: MaskContext) -> list[Tensor]:
 def _learn(ctx: MaskContext) -> list[Tensor]:
     # The analytical init reads a one-step gradient; an update (K steps' masks mixed in one Δ) takes
     # Bernoulli(1 - p), as analytical_masks does for any layer its rule does not reach.
+    # A stochastic-depth mask (its rate is not p) starts from its own rate, never from a gradient rule.
+    rates = ctx.rate_of()
     if ctx.mask_init == "analytical" and ctx.gradient is not None:
-        return analytical_masks(ctx.model, ctx.gradient, ctx.shapes, ctx.p, ctx.generator)
-    if ctx.mask_init == "analytical":
-        return [init_mask(s, ctx.p, "bernoulli", ctx.generator) for s in ctx.shapes]
-    return [init_mask(s, ctx.p, ctx.mask_init, ctx.generator) for s in ctx.shapes]
+        masks = analytical_masks(ctx.model, ctx.gradient, ctx.shapes, ctx.p, ctx.generator)
+        return [
+            m if q == ctx.p else init_mask(s, q, "bernoulli", ctx.generator)
+            for m, s, q in zip(masks, ctx.shapes, rates)
+        ]
+    method = "bernoulli" if ctx.mask_init == "analytical" else ctx.mask_init
+    return [init_mask(s, q, method, ctx.generator) for s, q in zip(ctx.shapes, rates)]
 
 
 MASK_MODES: dict[str, MaskMode] = {

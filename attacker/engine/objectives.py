@@ -8,7 +8,7 @@ registered with :func:`term` under the name of its weight key, plus that key (de
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,8 @@ EPS = 1e-8
 @dataclass
 class TermInputs:
     """What a loss term may look at: the matching terms, the dummy images of the active jobs
-    (job-major rows), each dropout layer's masks for those jobs, and the dropout rate."""
+    (job-major rows), each dropout layer's masks for those jobs, and the dropout rate (``rates``: each
+    mask's own, where stochastic-depth masks drop at their layer's rate rather than p)."""
 
     match: MatchTerms
     images: Tensor
@@ -31,6 +32,7 @@ class TermInputs:
     masks: list[Tensor]
     p: float
     copies: int = 1  # an unknown batch order: each job's images are this many epoch copies (copy-major)
+    rates: list[float] | None = None  # per mask its drop rate; None: p for every mask
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def total_variation_term(inputs: TermInputs) -> Tensor:
 
 @term("lambda_mask", learned_masks_only=True)
 def mask_term(inputs: TermInputs) -> Tensor:
-    return mask_regularizer(inputs.masks, inputs.num_jobs, inputs.p)
+    return mask_regularizer(inputs.masks, inputs.num_jobs, inputs.rates or inputs.p)
 
 
 # 1e-2: the order prior is a mean squared pixel difference, O(0.1-1) for random dummies in normalized
@@ -139,10 +141,12 @@ def total_variation(x: Tensor, num_jobs: int) -> Tensor:
     return dx + dy
 
 
-def mask_regularizer(layers: list[Tensor], num_jobs: int, p: float) -> Tensor:
+def mask_regularizer(layers: list[Tensor], num_jobs: int, p: float | Sequence[float]) -> Tensor:
     """Paper eq. 5 per job: sum over layers of |p - (1 - mean(psi))|, each mean over the job's own
-    entries. layers[i]: masks of layer i for all jobs, rows job by job."""
-    return sum(((1 - m.reshape(num_jobs, -1).mean(1)) - p).abs() for m in layers)  # type: ignore[return-value]
+    entries. layers[i]: masks of layer i for all jobs, rows job by job. ``p`` may be one rate per layer
+    (a stochastic-depth mask is pulled toward its own drop rate, not the dropout layers' p)."""
+    rates = [p] * len(layers) if isinstance(p, int | float) else list(p)
+    return sum(((1 - m.reshape(num_jobs, -1).mean(1)) - q).abs() for m, q in zip(layers, rates, strict=True))  # type: ignore[return-value]
 
 
 def term_weight(attack: Any, key: str, model_name: str) -> float:

@@ -18,6 +18,8 @@ import zlib
 import torch
 from torch import Tensor, nn
 
+from fedsim.models.dropout import mask_rates
+
 from ..attacks import AttackConfig
 from ..jobs import Oracle, VictimJob
 from .job_adam import _rows_view, adam_factors, adam_rows_
@@ -47,6 +49,8 @@ class Unknowns(nn.Module):
         super().__init__()
         first = jobs[0]
         self.p, self.mask_shapes = first.p, mask_shapes
+        # each mask's drop rate: p, or a stochastic-depth layer's own rate (fedsim.models.MaskedDropPath)
+        self.mask_rates = mask_rates(model, self.p, len(mask_shapes))
         # Rebuilt from the jobs on resume: not persistent, so checkpoints stay small.
         self.register_buffer("box_low", box[0], persistent=False)
         self.register_buffer("box_high", box[1], persistent=False)
@@ -71,7 +75,9 @@ class Unknowns(nn.Module):
                 continue
             assert mode.init is not None
             gradient = job.gradient if job.plan is None else None  # an update is no gradient (analytical init)
-            init = mode.init(MaskContext(mask_shapes, self.p, attack.mask_init, model, gradient, oracle, gen))
+            init = mode.init(
+                MaskContext(mask_shapes, self.p, attack.mask_init, model, gradient, oracle, gen, self.mask_rates)
+            )
             kind = "learn" if mode.kind == "learn" else "const"
             rows = learn_rows if kind == "learn" else const_rows
             self.mask_slots.append([(kind, len(rows[layer])) for layer in range(len(init))])
@@ -125,7 +131,8 @@ class Unknowns(nn.Module):
             return self.mask_stacks[layer][k]
         if kind == "const":
             return getattr(self, f"const_stack_{layer}")[k]
-        return torch.bernoulli(torch.full(self.mask_shapes[layer], 1.0 - self.p, device=self.box_low.device))
+        keep = 1.0 - self.mask_rates[layer]
+        return torch.bernoulli(torch.full(self.mask_shapes[layer], keep, device=self.box_low.device))
 
     def layer_masks(self, active: list[int], layer: int) -> Tensor:
         """One dropout layer's masks of the active jobs, job after job, as one batch."""

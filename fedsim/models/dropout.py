@@ -71,6 +71,45 @@ class MaskedDropout(nn.Module):
         return x * self.mask * scale
 
 
+class MaskedDropPath(MaskedDropout):
+    """Stochastic depth (timm's ``DropPath``, ``drop_path_rate``) as a mask layer: one keep-or-drop
+    per image, a mask of shape (B, 1, ..., 1) that multiplies the residual branch, ``x * mask / (1 - p)``
+    in every masked mode as in ``MaskedDropout``. Its rate is the layer's own (timm spreads
+    ``drop_path_rate`` over the blocks), not the run's dropout p; ``last_shape`` is the mask's shape,
+    so ``mask_shapes`` and the attack's learned masks have one entry per image."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = torch.Size((x.shape[0],) + (1,) * (x.ndim - 1))
+        self.last_shape = shape
+        mode = self.mode
+        if mode is DropoutMode.AUTO:
+            mode = DropoutMode.SAMPLE if self.training else DropoutMode.OFF
+        if mode is DropoutMode.OFF or self.p == 0.0 and mode is not DropoutMode.LEARN:
+            if mode is DropoutMode.RECORD:
+                self.recorded = x.new_ones(shape)
+            return x
+        scale = 1.0 / (1.0 - self.p)
+        if mode in (DropoutMode.SAMPLE, DropoutMode.RECORD):
+            keep = x.new_empty(shape).bernoulli_(1.0 - self.p)  # timm's draw
+            if mode is DropoutMode.RECORD:
+                self.recorded = keep.detach().clone()
+            return x * keep * scale
+        if self.mask is None:
+            raise RuntimeError(f"drop-path layer in {mode.value} mode has no mask set")
+        if self.mask.shape != shape:
+            raise ValueError(f"drop-path mask shape {tuple(self.mask.shape)} does not match {tuple(shape)}")
+        return x * self.mask * scale
+
+
+def mask_rates(model: nn.Module, p: float, count: int) -> list[float]:
+    """The drop rate of each of ``count`` masks (``mask_shapes`` order, repeated per local step): the run's
+    p for dropout layers, a ``MaskedDropPath``'s own rate for stochastic depth."""
+    per_layer = [layer.p if isinstance(layer, MaskedDropPath) else p for layer in dropout_layers(model)]
+    if not per_layer or count % len(per_layer):
+        return [p] * count
+    return [per_layer[i % len(per_layer)] for i in range(count)]
+
+
 def dropout_layers(model: nn.Module) -> list[MaskedDropout]:
     """All dropout layers of ``model`` in the documented, fixed (forward) order."""
     return [m for m in model.modules() if isinstance(m, MaskedDropout)]

@@ -13,10 +13,18 @@ What ``adapt`` does to the model, once per build:
 * functional dropout in ``forward`` (``F.dropout`` or ``torch.dropout``; timm's ResNet head calls
   ``F.dropout`` when ``drop_rate`` > 0) is routed, call by call, to a ``MaskedDropout`` of its own
   while the model runs (``_FunctionalDropout``);
+* stochastic depth (timm's ``DropPath``, which ``drop_path_rate`` puts in the residual blocks, and
+  torchvision's ``StochasticDepth`` in "row" mode) becomes a ``MaskedDropPath`` of the same rate: a
+  second mask, one keep-or-drop per image (shape (B, 1, ..., 1)), sampled and recorded by the client,
+  replayed by WIIG and learned by DIA like a dropout mask, with its own rate (timm spreads
+  ``drop_path_rate`` linearly over the blocks) where the run's p is the dropout's;
 * the dropout layers are listed in the order one forward pass runs them (``OwnModel``);
 * in-place activations and fused attention are switched off: the attack keeps layer outputs that an
   in-place op would overwrite, and differentiates the model's gradient a second time, which fused
-  attention (``F.scaled_dot_product_attention``'s CPU kernel) does not support;
+  attention (``F.scaled_dot_product_attention``'s CPU kernel) does not support; any other in-place
+  edit of a kept input or output (``x = self.conv(x); x += 1``, ``relu_``) is the engine's to handle:
+  it finds it by the tensor's version, copies that layer's input or output and runs the pass again
+  (attacker/engine/gradients.py), so it is not refused here;
 * BatchNorm runs as the client runs it, chosen by the model option ``batchnorm_mode``
   (``BATCHNORM_OPTION``, never passed to the factory): "eval" (the default) keeps it in eval mode in
   the clients' training and in the attack alike, an affine map of each image with the running
@@ -30,9 +38,10 @@ What it refuses, in one line naming the model or the layer (``ModelSpecError``):
 be imported or raises, an unknown timm name, an output that is not (batch, classes) logits, a dropout
 whose rate is not the run's p, a dropout layer that runs twice in one pass, functional dropout it
 cannot route (in place, channel-wise, alpha, inside attention), any other random draw in ``forward``
-(stochastic depth, timm's ``drop_path_rate``: a second random mask the attack does not model yet),
-train-mode BatchNorm unless ``batchnorm_mode`` is "train", a layer output changed in place, and a
-model whose gradient the attack cannot differentiate (``check_own_model``).
+(a hand-written stochastic depth, torchvision's "batch" mode, a timm ``DropPath`` without
+``scale_by_keep``: a mask the attack cannot record or replay), train-mode BatchNorm unless
+``batchnorm_mode`` is "train", and a model whose gradient the attack cannot differentiate
+(``check_own_model``).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from .dropout import DropoutMode, MaskedDropout, dropout_mode
+from .dropout import DropoutMode, MaskedDropout, MaskedDropPath, dropout_mode
 from .errors import ModelSpecError
 
 if TYPE_CHECKING:
@@ -126,9 +135,6 @@ _RANDOM = {
     Tensor.random_,
     Tensor.multinomial,
 }
-# The layers whose outputs the attack's batched gradient path keeps (attacker.engine.gradients.SUPPORTED):
-# an in-place op on them would change what it reads.
-_KEPT_OUTPUTS = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.GroupNorm)
 
 
 def own_model_key(name: str) -> str | None:
@@ -398,8 +404,8 @@ def _refusal(func: Any, args: tuple, kwargs: dict) -> str | None:
         )
     if func in _RANDOM or func in (F.rrelu, torch.rrelu) and _arg(args, kwargs, "training", 3, False):
         return (
-            f"a random draw ({name}) outside dropout, e.g. stochastic depth (timm's drop_path_rate): a mask "
-            "the attack cannot record or replay"
+            f"a random draw ({name}) outside dropout and timm's DropPath (e.g. a stochastic depth of the model's "
+            "own): a mask the attack cannot record or replay"
         )
     return None
 
@@ -465,6 +471,49 @@ def _swap_dropout(net: nn.Module, spec: ModelSpec) -> list[_Swap]:
     return list(swaps.values())
 
 
+def _drop_path_classes() -> dict[type, str]:
+    """The stochastic-depth modules swapped for ``MaskedDropPath``: class -> its rate attribute."""
+    found: dict[type, str] = {}
+    try:
+        from timm.layers import DropPath
+
+        found[DropPath] = "drop_prob"
+    except ImportError:
+        pass
+    try:
+        from torchvision.ops import StochasticDepth
+
+        found[StochasticDepth] = "p"
+    except ImportError:
+        pass
+    return found
+
+
+def _swap_drop_path(net: nn.Module, spec: ModelSpec) -> list[_Swap]:
+    """Every stochastic-depth module (``_drop_path_classes``, their own forward) with rate > 0 replaced
+    by a ``MaskedDropPath`` of the same rate."""
+    classes = _drop_path_classes()
+    swaps: dict[int, _Swap] = {}
+    for parent_name, parent in list(net.named_modules(remove_duplicate=False)):
+        for key, child in list(parent.named_children()):
+            rate_attr = classes.get(type(child))
+            rate = float(getattr(child, rate_attr, 0.0) or 0.0) if rate_attr else 0.0
+            if rate_attr is None or rate == 0:
+                continue
+            name = f"{parent_name}.{key}" if parent_name else key
+            if not getattr(child, "scale_by_keep", True) or getattr(child, "mode", "row") != "row":
+                raise ModelSpecError(
+                    f"stochastic depth {name} of {spec.name} is not the per-image, 1/(1 - rate)-scaled kind "
+                    "(timm's scale_by_keep=False or torchvision's mode='batch'): its mask cannot be replayed as such"
+                )
+            if not 0 < rate < 1:
+                raise ModelSpecError(f"stochastic depth {name} of {spec.name} has rate {rate}, not in (0, 1)")
+            swap = swaps.setdefault(id(child), _Swap(child, MaskedDropPath(rate)))
+            swap.places.append((parent, key))
+            setattr(parent, key, swap.layer)
+    return list(swaps.values())
+
+
 def _attack_ready(net: nn.Module) -> None:
     for module in net.modules():
         if isinstance(getattr(module, "inplace", None), bool):
@@ -478,7 +527,6 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
     functional calls in the order they ran (``MaskedDropout`` / the calling layer's name)."""
     events: list[MaskedDropout | str] = []
     running: list[str] = []  # the layers running now, innermost last, to name where a problem is
-    kept: list[tuple[str, Tensor, int]] = []
     handles = []
 
     # (A hook's return value would replace the input or output: these return None.)
@@ -489,8 +537,6 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
 
     def leave(module: nn.Module, _args: tuple, out: Any, name: str) -> None:
         running.pop()
-        if isinstance(module, _KEPT_OUTPUTS) and isinstance(out, Tensor):
-            kept.append((name, out, out._version))
 
     for name, module in net.named_modules():
         handles.append(module.register_forward_pre_hook(partial(enter, name=name)))
@@ -520,13 +566,6 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
             for name, b in net.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-    for name, tensor, version in kept:
-        if tensor._version != version:
-            raise ModelSpecError(
-                f"the output of layer {name} ({type(net.get_submodule(name)).__name__}) of {spec.name} is changed "
-                "in place in forward (an in-place op such as x += y or relu_): the attack keeps it; compute it "
-                "out of place"
-            )
     if not isinstance(out, Tensor) or tuple(out.shape) != (2, classes):
         got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else f"a {type(out).__name__}"
         raise ModelSpecError(
@@ -541,7 +580,7 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
     if not isinstance(net, nn.Module):
         raise ModelSpecError(f"model {spec.name} returned a {type(net).__name__}, not a torch nn.Module")
     _attack_ready(net)
-    swaps = _swap_dropout(net, spec)
+    swaps = _swap_dropout(net, spec) + _swap_drop_path(net, spec)
     pin = batchnorm_mode(spec) == "eval"
     net.train()
     if pin:
@@ -558,7 +597,7 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
                     f"dropout layer {name} of {spec.name} runs more than once in one forward pass: each run needs "
                     "a mask of its own, so give each place its own nn.Dropout"
                 )
-            if event.p != spec.p:  # a MaskedDropout the model brought itself (the swapped ones have p)
+            if event.p != spec.p and not isinstance(event, MaskedDropPath):  # one the model brought itself
                 raise ModelSpecError(f"dropout layer {name} of {spec.name} has p = {event.p}, the run's p is {spec.p}")
     for swap in swaps:
         if id(swap.layer) not in runs:  # never runs: the original is left in place, and no mask is made for it
@@ -571,7 +610,7 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
             functional.append(len(layers))
             event = MaskedDropout(spec.p)
         layers.append(event)
-    if spec.p > 0 and not layers:
+    if spec.p > 0 and all(isinstance(layer, MaskedDropPath) for layer in layers):
         raise ModelSpecError(
             f"model {spec.name} runs no dropout (nn.Dropout or F.dropout with p > 0) although p = {spec.p}: give "
             "it dropout at the run's rate (a factory gets it as its p, drop_rate or dropout argument), or use p = 0"
