@@ -79,7 +79,13 @@ def replay_plan(capture: Capture, replay_order: str = "known") -> LocalPlan:
                 f"capture {capture.path}: batches were shuffled across {plan.schedule.epochs} epochs and "
                 "the capture lacks per-step labels, which the unknown batch order needs"
             )
-    plan = replace(plan, schedule=replace(plan.schedule, order="in-order"), record_masks=False)
+    # FedProx: the client's steps followed loss + (mu/2)·||w − w_global||², so the replay's must too.
+    plan = replace(
+        plan,
+        schedule=replace(plan.schedule, order="in-order"),
+        record_masks=False,
+        proximal_mu=capture.proximal_mu,
+    )
     steps = len(plan.schedule.batches(capture.num_examples, 0))
     if steps != capture.local_steps:
         raise CaptureError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,8 @@ class Capture:
     step_labels: torch.Tensor | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     local_steps: int = 1  # K, the local steps behind an update (as the client reported it)
+    # FedProx's mu: each local step's loss held (mu/2)·||w − w_global||² (0: none; records before had none).
+    proximal_mu: float = 0.0
     # The defense active in the run (fedsim.defenses) and, in words, what the capture therefore holds
     # (e.g. under central DP: the clipped update without the noise, which is added after aggregation).
     defense: str = NO_DEFENSE
@@ -175,6 +178,7 @@ def save_capture(directory: str | Path, capture: Capture) -> Path:
         "weight_names": list(capture.weights),
         "hyperparameters": _jsonable(capture.hyperparameters),
         "local_steps": int(capture.local_steps),
+        "proximal_mu": float(capture.proximal_mu),
         "defense": capture.defense,
         "defense_captured": capture.defense_captured,
     }
@@ -304,6 +308,7 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             step_labels=tensors.get("step_labels"),  # optional: records written before had none
             hyperparameters=dict(meta.get("hyperparameters", {})),
             local_steps=int(meta.get("local_steps", 1)),
+            proximal_mu=_proximal_mu(meta, path),
             defense=str(meta.get("defense", NO_DEFENSE)),  # records written before defenses existed had none
             defense_captured=str(meta.get("defense_captured", "")),
             path=path,
@@ -315,6 +320,14 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
     if check_model:
         _check_against_model(capture)
     return capture
+
+
+def _proximal_mu(meta: dict[str, Any], path: Path) -> float:
+    """The record's FedProx mu: 0 for records written before it was stored (no proximal term then)."""
+    value = meta.get("proximal_mu", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value >= 0):
+        raise CaptureError(f"capture {path}: proximal_mu must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _check_against_model(capture: Capture) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from fedsim import defenses, dp_sgd, task
 from fedsim.client_step import StepRecord, run_local_round
 from fedsim.run_config import resolve_config
-from fedsim.strategies import PROXIMAL_NOT_BUILT
 
 app = ClientApp()
 
@@ -75,6 +75,15 @@ def oracle_bytes(images: torch.Tensor, labels: torch.Tensor, steps: list[StepRec
     return st_save(tensors, metadata={"format": "fedsim.oracle.wire", "num_masks": str(len(masks)), "batches": batches})
 
 
+def proximal_mu(sent: ConfigRecord) -> float:
+    """FedProx's mu as Flower's FedProx sends it ("proximal-mu" in the round's config); 0 without it.
+    The client takes it from the message, not the run config: it is what the server's strategy asked for."""
+    value = sent.get("proximal-mu", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"proximal-mu must be a number, got {value!r}")
+    return float(value)
+
+
 def _maybe_fail(spec: str, server_round: int, partition_id: int) -> None:
     """Fault injection: ``"2:0,3"`` makes partitions 0 and 3 raise in round 2 (reliability drills)."""
     if not spec:
@@ -92,9 +101,6 @@ def handle_train(msg: Message, context: Context) -> Message:
     one_step = bool(sent.get("one-step", False))
     capture_update = bool(sent.get("capture-update", False))
     _maybe_fail(str(cfg.get("inject-client-failure", "")), server_round, partition_id)
-    # Flower's FedProx sends its mu as "proximal-mu": training without the term would silently be FedAvg.
-    if float(sent.get("proximal-mu", 0.0)) > 0:  # type: ignore[arg-type]
-        raise ValueError(f"{PROXIMAL_NOT_BUILT} (proximal-mu {sent['proximal-mu']})")
     model = task.make_model(cfg, msg.content["arrays"].to_torch_state_dict())
     train = task.load_split(cfg, train=True)
     indices = task.partition_indices(cfg, train, partition_id, num_partitions)
@@ -119,6 +125,7 @@ def handle_train(msg: Message, context: Context) -> Message:
         num_examples=len(indices),
         victim_set=victim_set,
     )
+    plan = replace(plan, proximal_mu=proximal_mu(sent))
     # DP-SGD: the client's accountant lives in its context.state, so epsilon composes over its rounds.
     accountant = dp_sgd.load_accountant(context.state) if plan.dp is not None else None
     result = run_local_round(model, data, plan, accountant=accountant)
@@ -135,6 +142,7 @@ def handle_train(msg: Message, context: Context) -> Message:
             "lr": plan.optimizer.lr,  # type: ignore[arg-type]
             "local-steps": len(result.steps),
             "mode": mode,
+            "proximal-mu": plan.proximal_mu,  # the objective the steps followed: the replay needs it
         }
     )
     if captured:

@@ -6,8 +6,10 @@ and the experiments through those. A round is described by a :class:`LocalPlan`:
 (epochs, batch size, step cap, batch order), the optimizer (SGD, SGD with momentum, Adam), the
 dropout behaviour per step (sample and record, replay given masks, learnable masks, off). The result
 holds the new weights, the update (global - local) and the ground truth of every step (its image
-indices and masks). Defenses are not applied here: they are Flower mods and strategy wrappers
-around the ClientApp and the strategy (``fedsim.defenses``), so each is applied once, on the reply.
+indices and masks). Under FedProx (``LocalPlan.proximal_mu`` > 0) each step's gradient also holds the
+proximal term's, mu·(w − w_global), whatever the optimizer. Defenses are not applied here: they are
+Flower mods and strategy wrappers around the ClientApp and the strategy (``fedsim.defenses``), so each
+is applied once, on the reply.
 
 Why the optimizer updates are written here rather than taken from ``torch.optim``: an attacker
 replays the client's steps *differentiably* (through the updates, with learnable masks), and
@@ -18,6 +20,7 @@ bit-identical to torch.optim's (tested against it) and the same code serves the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,8 +112,12 @@ class LocalPlan:
     batches: tuple[tuple[int, ...], ...] | None = None
     # DP-SGD (``--defense dp-sgd``): per-example clipping and noise in every step (fedsim.dp_sgd).
     dp: DpSgdSpec | None = None
+    # FedProx (Li et al. 2020): every step's loss gains (mu/2)·||w − w_global||², Flower's "proximal-mu".
+    proximal_mu: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.proximal_mu) and self.proximal_mu >= 0):
+            raise LocalPlanError(f"proximal mu must be a finite number >= 0, got {self.proximal_mu}")
         if self.dp is not None and self.differentiable and (self.dp.poisson or self.dp.noise_multiplier > 0):
             # The replay clips per example (dp_sgd.clipped_gradients) but adds no noise (the server does
             # not know it) and needs the batches the client ran, which Poisson sampling does not record.
@@ -186,6 +193,17 @@ OPTIMIZERS = tuple(UPDATES)
 
 
 # -- the round -------------------------------------------------------------------------------------
+
+
+def with_proximal_term(grad: Tensor, weight: Tensor, anchor: Tensor, mu: float) -> Tensor:
+    """The gradient of loss + (mu/2)·||w − w_global||² at ``weight``: ``grad + mu·(weight − anchor)``, in
+    the weight's dtype. Added to the loss gradient (not through autograd) so the term is the same in
+    every path: plain autograd, DP-SGD's per-example clipping (the term holds no data, so it is neither
+    clipped nor noised) and the replay, whose graph it joins through ``weight``."""
+    grad = grad.to(weight.dtype)
+    if not mu:
+        return grad
+    return grad + mu * (weight - anchor.to(weight.dtype))
 
 
 def _gather(data: Dataset, indices: list[int]) -> tuple[Tensor, Tensor]:
@@ -287,7 +305,8 @@ def run_local_round(
                     masks = [m.detach().clone() for m in plan.masks[t - 1]] if plan.masks is not None else []
                 with torch.set_grad_enabled(plan.differentiable):
                     for n, g in zip(names, grads):
-                        weights[n] = update_rule(weights[n], g.to(weights[n].dtype), states[n], t)
+                        g = with_proximal_term(g, weights[n], global_params[n], plan.proximal_mu)
+                        weights[n] = update_rule(weights[n], g, states[n], t)
                 steps.append(
                     StepRecord(
                         indices,

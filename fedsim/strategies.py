@@ -63,7 +63,8 @@ class StrategyEntry:
     flower_class: str  # a class of flwr.serverapp.strategy
     help: str
     params: dict[str, Param] = field(default_factory=dict)
-    # Changes the client's local objective (FedProx's proximal term): the client step must know it.
+    # Changes the client's local objective (FedProx's proximal term): the client step adds it when the
+    # server sends it (fedsim.client_app), and the attacker's replay reads it from the capture.
     client_objective: str = ""
 
     def flower(self) -> type:
@@ -117,8 +118,6 @@ STRATEGIES: dict[str, StrategyEntry] = {
 # Flower's constructor arguments that the federation settings fill, never strategy-options.
 COMMON_ARGS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes", "min_available_nodes")
 
-PROXIMAL_NOT_BUILT = "FedProx's proximal term in the client step is not built yet"
-
 
 def get_strategy(name: str) -> StrategyEntry:
     try:
@@ -153,8 +152,6 @@ def check_options(name: str, options: str | Mapping[str, Any]) -> dict[str, Any]
                 f"strategy {name} does not take {key!r}{hint}; it takes {takes} (strategy-options)"
             )
         out[key] = entry.params[key].check(name, key, value)
-    if entry.client_objective == "proximal_mu" and out.get("proximal_mu", 0.0) > 0:
-        raise StrategyOptionsError(f"{PROXIMAL_NOT_BUILT}: strategy fedprox needs proximal_mu 0 for now")
     return out
 
 

@@ -229,6 +229,7 @@ class CuriousStrategy(Strategy):
                 step_labels=step_labels,
                 label_policy="known" if labels is not None else "recovered",
                 local_steps=int(meta.get("local-steps", 1)),
+                proximal_mu=float(meta.get("proximal-mu", sent.get("proximal-mu", 0.0))),
                 **common,
             )
         if self.capture_dir is not None:

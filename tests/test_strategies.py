@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flower_harness import client_context, set_task_identity
+from flower_harness import set_task_identity
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
@@ -19,7 +19,6 @@ from flwr.serverapp.strategy import (
 )
 
 from fedsim import defenses, strategies, task
-from fedsim.client_app import handle_train
 from fedsim.run_config import RunConfigError, resolve_config
 from fedsim.server_app import _curious_strategy
 from fedsim.strategy import CuriousStrategy
@@ -29,7 +28,7 @@ COMMON = dict(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=5, min_
 # Options that differ from Flower's defaults, so the test shows they reach the strategy.
 OPTIONS: dict[str, dict[str, Any]] = {
     "fedavg": {},
-    "fedprox": {"proximal_mu": 0.0},  # mu > 0 is refused until the client step has the proximal term
+    "fedprox": {"proximal_mu": 0.1},  # the clients add the proximal term (tests/test_fedprox.py)
     "fedadam": {"eta": 0.05, "beta_1": 0.8, "tau": 1e-4},
     "fedyogi": {"eta": 0.05, "beta_2": 0.9},
     "fedadagrad": {"eta": 0.05, "eta_l": 0.01},
@@ -105,7 +104,7 @@ def test_wrapper_aggregates_exactly_as_the_bare_strategy(cfg: dict[str, Any], na
         sent_wrapped = list(wrapped.configure_train(server_round, arrays, ConfigRecord(dict(config)), Grid5()))
         assert len(sent) == len(sent_wrapped) == len(NODES)
         if name == "fedprox":  # Flower's FedProx tells the clients its mu through the round's config
-            assert all(m.content["config"]["proximal-mu"] == 0.0 for m in sent_wrapped)
+            assert all(m.content["config"]["proximal-mu"] == 0.1 for m in sent_wrapped)
         # The same results for both, built twice: FedMedian and FedTrimmedAvg pop the arrays out of the
         # replies they aggregate (the wrapper captures before handing them on, so it is not affected).
         want, want_metrics = bare.aggregate_train(server_round, _replies(sent, state, server_round))
@@ -181,7 +180,7 @@ def test_server_builds_the_run_configs_strategy(cfg: dict[str, Any], tmp_path: P
         ({"strategy": "fedadam", "strategy-options": '{"eta": "fast"}'}, "eta must be a number"),
         ({"strategy": "krum", "strategy-options": '{"num_malicious_nodes": 1.5}'}, "must be an integer"),
         ({"strategy-options": "[1, 2]"}, "strategy-options must be a JSON object"),
-        ({"strategy": "fedprox", "strategy-options": '{"proximal_mu": 0.1}'}, strategies.PROXIMAL_NOT_BUILT),
+        ({"strategy": "fedprox", "strategy-options": '{"proximal_mu": -0.1}'}, "proximal_mu must be >= 0"),
     ],
 )
 def test_bad_strategy_settings_are_one_line(layer: dict[str, Any], says: str) -> None:
@@ -203,15 +202,3 @@ def test_bad_strategy_on_the_command_line_exits_2_and_writes_nothing(tmp_path: P
     assert main([*args, "--strategy", "fedsgd"]) == 2
     assert main([*args, "--strategy", "fedmedian", "--strategy-options", '{"beta": 0.1}']) == 2
     assert not run_dir.exists()
-
-
-def test_client_refuses_a_proximal_term_it_does_not_have() -> None:
-    """Flower's FedProx sends proximal-mu; training without the term would silently be FedAvg."""
-    set_task_identity()
-    msg = Message(
-        content=RecordDict({"config": ConfigRecord({"proximal-mu": 0.1, "download": False})}),
-        dst_node_id=NODES[0],
-        message_type="train",
-    )
-    with pytest.raises(ValueError, match="FedProx's proximal term in the client step is not built yet"):
-        handle_train(msg, client_context(0, NODES[0]))

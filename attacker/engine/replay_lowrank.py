@@ -6,7 +6,9 @@ job's weight is the SHARED start W0 plus a job's own low-rank correction:
 
     W_t = W0 − Σ_{s<t} c_{t,s} δ_sᵀ a_s,   c_{t,s} = lr · Σ_{q=s}^{t-1} μ^{q-s}
 
-(μ = 0: plain SGD, c = lr; with momentum, buf_q = μ·buf_{q-1} + g_q unrolled). A layer's output on
+(μ = 0: plain SGD, c = lr; with momentum, buf_q = μ·buf_{q-1} + g_q unrolled; FedProx's proximal
+gradient prox·(W_q − W0) is itself a combination of the earlier steps' terms, so it only changes the
+c_{t,s}: ``_coefficients`` runs the recursion on scalars). A layer's output on
 step t is then  a W_tᵀ = a W0ᵀ − Σ_s c_{t,s} (a a_sᵀ) δ_s : the product with W0 is one matrix
 product over every job's rows stacked, and each job's correction is a (b × b·(t−1)) product. The δ
 of a step come from autograd on the summed per-job losses w.r.t. the layer outputs (the jobs' rows
@@ -147,9 +149,20 @@ def _stacked(tensors: list[Tensor]) -> Tensor:
 
 
 def _coefficients(plan: LocalPlan, t: int) -> list[float]:
-    """c_{t,s} for s = 1 .. t-1: how much of step s's gradient the weights of step t have lost."""
-    lr, mu = plan.optimizer.lr, plan.optimizer.momentum
-    return [lr * sum(mu ** (q - s) for q in range(s, t)) for s in range(1, t)]
+    """c_{t,s} for s = 1 .. t-1: how much of step s's gradient the weights of step t have lost.
+
+    Run as the client's recursion on scalars, one coefficient per earlier step: the weights' offset
+    E_t = W_t − W0 = −Σ_s c_{t,s} G_s, the step's gradient G_t + prox·E_t (FedProx's proximal term is
+    linear in E_t, so the update stays in the span of the steps' low-rank gradients), SGD momentum's
+    buffer, then E_{t+1} = E_t − lr·buffer. Without the term and momentum, c = lr."""
+    lr, momentum, prox = plan.optimizer.lr, plan.optimizer.momentum, plan.proximal_mu
+    offset: list[float] = []  # E_q's coefficient of each G_s, s < q
+    buffer: list[float] = []
+    for _ in range(t - 1):  # steps 1 .. t-1
+        grad = [prox * e for e in offset] + [1.0]  # G_q + prox·E_q
+        buffer = [momentum * b + g for b, g in zip([*buffer, 0.0], grad)]  # torch's first buffer is G_1
+        offset = [e - lr * b for e, b in zip([*offset, 0.0], buffer)]
+    return [-e for e in offset]
 
 
 def _scaled(rows: list[Tensor], coefficients: list[float]) -> Tensor:

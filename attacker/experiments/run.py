@@ -75,10 +75,15 @@ def capture_federation(
     clients = v.count // v.victim_batch_size
     rounds = settings.fl_rounds + 1 if federation else 1
     if federation:
+        own = to_run_config(federation)
+        audited = (
+            f"each client's local round on {own.get('capture-images', 'all its')} image(s) of its partition, its update"
+            if own.get("capture-kind") == "update"
+            else f"one step on {v.victim_batch_size} image(s) per client"
+        )
         log(
-            f"  federation: {rounds - 1} training rounds + 1 audited round, {clients} clients, {federation}; "
-            f"round {rounds} captured "
-            f"(one step on {v.victim_batch_size} image(s) per client)"
+            f"  federation: {rounds - 1} training rounds + 1 audited round, {own.get('num-clients', clients)} "
+            f"clients, {federation}; round {rounds} captured ({audited})"
         )
     else:
         log(
