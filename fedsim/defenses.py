@@ -197,8 +197,8 @@ DEFENSES: dict[str, Defense] = {
             _no_mods,
             None,
             "the update of the client's DP-SGD round: per-example clipped gradients and their noise, stepped",
-            "gradient captures: attacked as is (noise in the target); update captures: refused, the replay "
-            "of per-example clipping is not built yet",
+            "gradient captures: attacked as is (noise in the target); update captures of a victim set (fixed "
+            "batches): the replay clips each example's gradient as the client did, the noise stays in the target",
             accounted="client",
             family="DP-SGD (Opacus)",
             level="dp-epsilon",

@@ -229,27 +229,93 @@ def check_config(cfg: Mapping[str, Any], n: int) -> str | None:
     return None
 
 
+def capture_round_count(cfg: Mapping[str, Any]) -> int:
+    """How many of the ``num-server-rounds`` rounds the curious server captures (``capture-rounds``)."""
+    from fedsim.run_config import capture_rounds  # run_config imports this module
+
+    rounds = int(cfg["num-server-rounds"])
+    chosen = capture_rounds(cfg)
+    if chosen == "all":
+        return rounds
+    return sum(1 for r in chosen if 1 <= r <= rounds)
+
+
+def capture_steps(cfg: Mapping[str, Any], n: int) -> int | None:
+    """The local steps of a capture round when it runs fixed batches (a victim set: accounted at
+    q = 1), or None when it runs like a training round (an update capture of the whole partition,
+    ``capture-images`` 0: Poisson batches). A one-step round (``capture-kind`` gradient) is one step;
+    an update capture of N = ``capture-images`` images runs the round's schedule on them: ``local-steps``,
+    else ``local-epochs`` x ceil(N / batch-size) (``fedsim.client_step.Schedule``)."""
+    if str(cfg["capture-kind"]) == "gradient":
+        return 1
+    images = int(cfg["capture-images"])
+    if images <= 0:
+        return None
+    if int(cfg["local-steps"]) > 0:
+        return int(cfg["local-steps"])
+    return int(cfg["local-epochs"]) * math.ceil(min(images, max(n, 1)) / int(cfg["batch-size"]))
+
+
+def privacy_schedule(cfg: Mapping[str, Any], n: int) -> list[tuple[float, int]]:
+    """Every step a client of ``n`` images takes over the whole run, as the accountant is told them:
+    (sample rate, steps) pairs. Training rounds run Poisson batches at q = B / n; capture rounds on a
+    victim set run fixed batches, told to the accountant as q = 1 (no amplification). Every round is
+    counted, as if the client were sampled in each (with ``fraction-train`` < 1 a client spends less)."""
+    rounds = int(cfg["num-server-rounds"])
+    captured = capture_round_count(cfg)
+    fixed = capture_steps(cfg, n) if captured else None
+    training_rounds = rounds if fixed is None else rounds - captured
+    schedule = [(sample_rate(cfg, n), training_rounds * steps_per_round(cfg, n))]
+    if fixed is not None:
+        schedule.append((1.0, captured * fixed))
+    return [(q, steps) for q, steps in schedule if steps > 0]
+
+
+# Opacus' search (opacus.accountants.utils.get_noise_multiplier), over a schedule of several sample rates.
+EPSILON_TOLERANCE = 0.01
+MAX_SIGMA = 1e6
+
+
+def calibrate_noise(target_epsilon: float, delta: float, schedule: Sequence[tuple[float, int]]) -> float:
+    """The smallest noise multiplier (to Opacus' tolerance) whose RDP epsilon over ``schedule``
+    ((sample rate, steps) pairs, one noise multiplier for all) stays at or below ``target_epsilon``:
+    Opacus' own ``get_noise_multiplier`` search (double, then bisect until the epsilon is within 0.01
+    below the target), with the accountant's history holding every part of the schedule. With one
+    part it is ``get_noise_multiplier`` exactly."""
+    accountant = new_accountant()
+
+    def spent(sigma: float) -> float:
+        accountant.history = [(sigma, q, steps) for q, steps in schedule]
+        return float(accountant.get_epsilon(delta=delta))
+
+    eps_high, sigma_low, sigma_high = math.inf, 0.0, 10.0
+    while eps_high > target_epsilon:
+        sigma_high = 2 * sigma_high
+        eps_high = spent(sigma_high)
+        if sigma_high > MAX_SIGMA:
+            raise DpSgdError(f"dp-sgd: the target epsilon {target_epsilon:g} is too low for this schedule")
+    while target_epsilon - eps_high > EPSILON_TOLERANCE:
+        sigma = (sigma_low + sigma_high) / 2
+        eps = spent(sigma)
+        if eps < target_epsilon:
+            sigma_high, eps_high = sigma, eps
+        else:
+            sigma_low = sigma
+    return sigma_high
+
+
 def noise_multiplier(cfg: Mapping[str, Any], n: int) -> float:
     """The noise multiplier the run config asks for: fixed (``noise-multiplier``), none (clipping
-    only), or the smallest that keeps the whole training within ``dp-epsilon`` at ``dp-delta``
-    (Opacus' ``get_noise_multiplier`` over num-server-rounds x the local steps at q = B / n: every
-    round counted, so a client sampled in fewer rounds spends less)."""
+    only), or the smallest that keeps the whole run within ``dp-epsilon`` at ``dp-delta``: every round
+    the client may take part in (num-server-rounds), the training rounds' local steps at q = B / n and
+    the capture rounds' fixed batches at q = 1 (:func:`privacy_schedule`), searched as Opacus'
+    ``get_noise_multiplier`` does (:func:`calibrate_noise`)."""
     source = str(cfg["dp-noise-from"])
     if source == "none":
         return 0.0
     if source == "noise-multiplier":
         return float(cfg["noise-multiplier"])
-    from opacus.accountants.utils import get_noise_multiplier
-
-    return float(
-        get_noise_multiplier(
-            target_epsilon=float(cfg["dp-epsilon"]),
-            target_delta=float(cfg["dp-delta"]),
-            sample_rate=sample_rate(cfg, n),
-            steps=int(cfg["num-server-rounds"]) * steps_per_round(cfg, n),
-            accountant="rdp",
-        )
-    )
+    return calibrate_noise(float(cfg["dp-epsilon"]), float(cfg["dp-delta"]), privacy_schedule(cfg, n))
 
 
 def spec_from_config(cfg: Mapping[str, Any], n: int, *, fixed_batches: bool = False) -> DpSgdSpec:

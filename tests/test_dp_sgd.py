@@ -179,6 +179,74 @@ def test_noise_derived_from_the_target_epsilon_spends_it_over_the_training(fed: 
     assert 2.9 < spent[1][0] <= 3.0  # Opacus' search stops within its tolerance below the target
 
 
+@pytest.mark.parametrize(("kind", "images", "capture_steps"), [("update", 4, 3), ("gradient", 0, 1)])
+def test_noise_from_the_target_epsilon_counts_the_capture_rounds_at_q_1(
+    fed: dict[str, Any], kind: str, images: int, capture_steps: int
+) -> None:
+    """The audited round runs fixed batches, accounted at q = 1 (no amplification): the calibration
+    counts it, so the epsilon the client reports after the whole run (training rounds and the capture
+    round) lands within Opacus' tolerance at or below the target, not above it."""
+    cfg = resolve_config(
+        dict(
+            fed,
+            **{
+                "dp-noise-from": "epsilon",
+                "dp-epsilon": 8.0,
+                "num-server-rounds": 3,
+                "capture-rounds": "3",
+                "capture-kind": kind,
+                "capture-images": images,
+                "victim-batch-size": 2,
+            },
+        )
+    )
+    n = len(task.partition_indices(cfg, task.load_split(cfg, train=True), 0, 2))
+    assert dp_sgd.privacy_schedule(cfg, n) == [(8 / n, 2 * 3), (1.0, capture_steps)]
+    strategy = CuriousFedAvg(
+        task.model_spec(cfg),
+        capture_rounds={3},
+        capture_kind=kind,
+        keep_in_memory=True,
+        defense="dp-sgd",
+        min_available_nodes=2,
+        min_train_nodes=2,
+        fraction_evaluate=0.0,
+    )
+    contexts = {1111: client_context(0, 1111), 2222: client_context(1, 2222)}
+    arrays = ArrayRecord(task.make_model(cfg).state_dict())
+    for rnd in (1, 2, 3):
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(dict(cfg)), FakeGrid()))
+        replies = [handle_train(m, contexts[m.metadata.dst_node_id]) for m in messages]
+        arrays, _ = strategy.aggregate_train(rnd, replies)
+    z = dp_sgd.noise_multiplier(cfg, n)
+    history = json.loads(contexts[1111].state[dp_sgd.STATE_KEY]["history"])
+    assert history == [[z, 8 / n, 6], [z, 1.0, capture_steps]]  # what the client ran, as the calibration assumed
+    reported = dp_sgd.privacy_summary(cfg, strategy.client_epsilon)["epsilon"]
+    assert 8.0 - dp_sgd.EPSILON_TOLERANCE <= reported <= 8.0
+    # The training rounds alone (the former calibration) give less noise, and the run overran the target.
+    alone = get_noise_multiplier(target_epsilon=8.0, target_delta=DELTA, sample_rate=8 / n, steps=9, accountant="rdp")
+    assert alone < z
+    overrun = RDPAccountant()
+    overrun.history = [(alone, 8 / n, 6), (alone, 1.0, capture_steps)]
+    assert overrun.get_epsilon(DELTA) > 8.0
+
+
+def test_capture_round_steps_follow_the_round_schedule(fed: dict[str, Any]) -> None:
+    by_epochs = resolve_config(dict(fed, **{"local-steps": 0, "local-epochs": 2, "batch-size": 4}))
+    assert dp_sgd.capture_steps(dict(by_epochs, **{"capture-kind": "update", "capture-images": 8}), 100) == 4
+    assert dp_sgd.capture_steps(dict(by_epochs, **{"capture-kind": "update", "capture-images": 0}), 100) is None
+    whole = dict(by_epochs, **{"capture-kind": "update", "capture-images": 0, "capture-rounds": "all"})
+    assert dp_sgd.privacy_schedule(dict(whole, **{"num-server-rounds": 4}), 100) == [(0.04, 4 * 2 * 25)]
+    none = dict(by_epochs, **{"capture-rounds": "", "num-server-rounds": 4})
+    assert dp_sgd.privacy_schedule(none, 100) == [(0.04, 4 * 2 * 25)]
+
+
+def test_calibration_with_one_sample_rate_is_opacus_search() -> None:
+    for eps, q, steps in ((1.0, 0.128, 32), (8.0, 0.01, 1000), (3.0, 1.0, 2)):
+        expected = get_noise_multiplier(target_epsilon=eps, target_delta=DELTA, sample_rate=q, steps=steps)
+        assert dp_sgd.calibrate_noise(eps, DELTA, [(q, steps)]) == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
