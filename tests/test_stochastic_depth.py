@@ -158,12 +158,22 @@ def test_the_mask_prior_pulls_each_mask_toward_its_own_rate() -> None:
     torch.testing.assert_close(TERMS["lambda_mask"].fn(inputs), torch.zeros(1))
 
 
-def test_dia_learns_drop_path_masks_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("p", "expected"),
+    [
+        ("0.25", {"mask00": (2, 1, 1), "mask01": (2, 1, 1), "mask02": (2, 48)}),
+        # p = 0: no dropout, but the drop-path masks are still random, so DIA still learns them
+        ("0", {"mask00": (2, 1, 1), "mask01": (2, 1, 1)}),
+    ],
+)
+def test_dia_learns_drop_path_masks_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch, p: str, expected: dict
+) -> None:
     from safetensors.torch import load_file
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
-    args = ["run", "--model", VIT, "--model-options", json.dumps(VIT_OPTIONS), "--dataset", "cifar10", "--p", "0.25"]
+    args = ["run", "--model", VIT, "--model-options", json.dumps(VIT_OPTIONS), "--dataset", "cifar10", "--p", p]
     args += ["--victims", "2", "--victim-batch-size", "2", "--attacks", "wiig", "dia", "--iterations", "3"]
     code = attacker_main([*args, "--no-lpips", "--quiet", "--out", str(out)])
     assert code == 0, capsys.readouterr()
@@ -171,4 +181,4 @@ def test_dia_learns_drop_path_masks_end_to_end(tmp_path: Path, capsys: pytest.Ca
     assert {r["attack"] for r in rows} == {"wiig", "dia"}
     saved = load_file(str(out / "reconstructions.safetensors"))
     learned = {k.rsplit("/", 1)[1]: v.shape for k, v in saved.items() if "/dia/mask" in k}
-    assert learned == {"mask00": (2, 1, 1), "mask01": (2, 1, 1), "mask02": (2, 48)}
+    assert learned == expected

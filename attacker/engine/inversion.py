@@ -94,7 +94,7 @@ class InversionModule(LightningModule):
         self.register_buffer(
             "distance_index", torch.tensor([self.distance_names.index(a.distance) for a in attacks]), persistent=False
         )
-        learns = [mask_mode(a.masks, self.p).kind == "learn" for a in attacks]
+        learns = [mask_mode(a.masks, self.unknowns.mask_rates or self.p).kind == "learn" for a in attacks]
         for key, term in TERMS.items():
             weights = [
                 term_weight(a, key, first.spec.name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,8 @@ MASK_MODES: dict[str, MaskMode] = {
 }
 
 
-def mask_mode(name: str, p: float) -> MaskMode:
-    """The mode an attack runs in; with p = 0 there is no dropout to treat, so every mode is off."""
-    return MASK_MODES["off"] if p == 0 else MASK_MODES[name]
+def mask_mode(name: str, p: float | Sequence[float]) -> MaskMode:
+    """The mode an attack runs in: ``p`` is the dropout rate, or each mask's own rate (stochastic depth
+    keeps its rate at p = 0); with every rate 0 there is no mask to treat, so every mode is off."""
+    rates = [p] if isinstance(p, int | float) else list(p)
+    return MASK_MODES[name] if any(rates) else MASK_MODES["off"]

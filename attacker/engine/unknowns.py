@@ -67,7 +67,7 @@ class Unknowns(nn.Module):
                 raise ValueError(
                     f"job {job.job_id}: attack {attack.name} must not receive the oracle (only WIIG replays true masks)"
                 )
-            mode = mask_mode(attack.masks, self.p)
+            mode = mask_mode(attack.masks, self.mask_rates or self.p)
             if mode.uses_oracle and oracle is None:
                 raise ValueError(f"job {job.job_id}: WIIG replays the client's true masks and needs its oracle")
             if mode.kind == "random":
