@@ -197,6 +197,33 @@ def describe_setting(capture: Capture) -> dict[str, Any]:
     }
 
 
+def with_privacy_spent(setting: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Under a DP defense the setting says the epsilon spent over the whole run, as the run's
+    results.json (``privacy``) has it: the clients' Opacus accountant for dp-sgd, Flower's accountant
+    composed over the rounds for the update-level DP defenses. Unchanged where the run has no such
+    record (still running, or a defense without noise)."""
+    if setting["defense"] == NO_DEFENSE:
+        return setting
+    try:
+        privacy = json.loads((run_dir / "results.json").read_text()).get("privacy")
+        eps, delta = privacy.get("epsilon"), float(privacy["delta"])
+        accountant = str(privacy.get("accountant", "the run's accountant")).split(" (")[0]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return setting
+    if eps is None or not math.isfinite(float(eps)):
+        if DEFENSES.get(setting["defense"]) is None or not DEFENSES[setting["defense"]].in_local_round:
+            return setting
+        spent = "clipping only, no noise: no privacy guarantee"  # dp-sgd with dp-noise-from none
+    else:
+        spent = f"spent ε = {float(eps):.3g} at δ = {delta:g} over the run ({accountant})"
+        setting = {**setting, "privacy": {"epsilon": float(eps), "delta": delta, "accountant": accountant}}
+    return {
+        **setting,
+        "defense_short": f"{setting['defense_short']}, {spent}",
+        "defense_text": f"{setting['defense_text']}; {spent}",
+    }
+
+
 # -- scoring: per image, per attack; the best of the server's attacks ---------------------------------
 
 
@@ -481,7 +508,7 @@ def run_audit(
         run_attack(cfg, out, progress=options.progress, log=log)
     jobs, oracles = load_jobs(cfg, log)
     first = load_capture(jobs[0].meta["capture"], check_model=False)
-    setting = describe_setting(first)
+    setting = with_privacy_spent(describe_setting(first), run_dir)
     scorer = LpipsScorer(allow_download=True, download_timeout=5.0) if options.lpips else None
     tensors = load_file(str(out / "reconstructions.safetensors"))
     images, clients, grid, unscored = score_images(jobs, oracles, tensors, attacks, threshold, scorer)

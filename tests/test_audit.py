@@ -14,7 +14,7 @@ import pytest
 from flower_harness import FakeGrid, context_for, offline_config, set_task_identity
 from flwr.app import Message
 
-from attacker.audit import describe_setting, verdict
+from attacker.audit import describe_setting, verdict, with_privacy_spent
 from attacker.cli import main
 from fedsim.capture import Capture
 from fedsim.client_app import handle_evaluate, handle_train
@@ -142,6 +142,21 @@ def test_the_verdict_names_a_fedavg_round() -> None:
     }
     text = verdict(setting, summary, 0.6)
     assert text.startswith("With p = 0.25 and FedAvg K = 4 SGD on mlp / mnist (no defense), DIA reconstructed 15 of 16")
+
+
+def test_the_setting_states_the_epsilon_the_run_spent(tmp_path: Path) -> None:
+    """Under DP-SGD the report says the epsilon the clients' accountant reported (results.json)."""
+    base = {"defense": "dp-sgd", "defense_short": "defense dp-sgd", "defense_text": "defense dp-sgd: the update"}
+    assert with_privacy_spent(base, tmp_path) == base  # no results.json yet: the run is still going
+    privacy = {"epsilon": 7.9915, "delta": 1e-5, "accountant": "opacus RDPAccountant (Poisson sampling)"}
+    (tmp_path / "results.json").write_text(json.dumps({"privacy": privacy}))
+    setting = with_privacy_spent(base, tmp_path)
+    assert setting["privacy"]["epsilon"] == pytest.approx(7.9915)
+    assert setting["defense_short"] == "defense dp-sgd, spent ε = 7.99 at δ = 1e-05 over the run (opacus RDPAccountant)"
+    (tmp_path / "results.json").write_text(json.dumps({"privacy": {**privacy, "epsilon": None}}))
+    assert "no privacy guarantee" in with_privacy_spent(base, tmp_path)["defense_text"]
+    none = {"defense": "none", "defense_short": "no defense", "defense_text": "no defense"}
+    assert with_privacy_spent(none, tmp_path) == none
 
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
