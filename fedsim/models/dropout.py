@@ -36,6 +36,8 @@ class MaskedDropout(nn.Module):
     reproduces the recorded pass exactly, and a learned mask equal to a binary one equals replay.
     """
 
+    kind = "dropout"  # in error messages
+
     def __init__(self, p: float = 0.0) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
@@ -49,25 +51,34 @@ class MaskedDropout(nn.Module):
     def extra_repr(self) -> str:
         return f"p={self.p}, mode={self.mode.value}"
 
+    def new_mask(self, x: Tensor) -> Tensor:
+        """An uninitialised mask for ``x``: one entry per activation (``x``'s own layout, so a pass
+        draws its Bernoulli samples as ``torch.empty_like(x).bernoulli_`` always has)."""
+        return torch.empty_like(x)
+
+    def mask_shape(self, x: Tensor) -> torch.Size:
+        return x.shape
+
     def forward(self, x: Tensor) -> Tensor:
-        self.last_shape = x.shape
+        shape = self.mask_shape(x)
+        self.last_shape = shape
         mode = self.mode
         if mode is DropoutMode.AUTO:
             mode = DropoutMode.SAMPLE if self.training else DropoutMode.OFF
         if mode is DropoutMode.OFF or self.p == 0.0 and mode is not DropoutMode.LEARN:
             if mode is DropoutMode.RECORD:
-                self.recorded = torch.ones_like(x)
+                self.recorded = self.new_mask(x).fill_(1.0)
             return x
         scale = 1.0 / (1.0 - self.p)
         if mode in (DropoutMode.SAMPLE, DropoutMode.RECORD):
-            keep = torch.empty_like(x).bernoulli_(1.0 - self.p)
+            keep = self.new_mask(x).bernoulli_(1.0 - self.p)
             if mode is DropoutMode.RECORD:
                 self.recorded = keep.detach().clone()
             return x * keep * scale
         if self.mask is None:
-            raise RuntimeError(f"dropout layer in {mode.value} mode has no mask set")
-        if self.mask.shape != x.shape:
-            raise ValueError(f"dropout mask shape {tuple(self.mask.shape)} does not match activation {tuple(x.shape)}")
+            raise RuntimeError(f"{self.kind} layer in {mode.value} mode has no mask set")
+        if self.mask.shape != shape:
+            raise ValueError(f"{self.kind} mask shape {tuple(self.mask.shape)} does not match {tuple(shape)}")
         return x * self.mask * scale
 
 
@@ -78,27 +89,13 @@ class MaskedDropPath(MaskedDropout):
     ``drop_path_rate`` over the blocks), not the run's dropout p; ``last_shape`` is the mask's shape,
     so ``mask_shapes`` and the attack's learned masks have one entry per image."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        shape = torch.Size((x.shape[0],) + (1,) * (x.ndim - 1))
-        self.last_shape = shape
-        mode = self.mode
-        if mode is DropoutMode.AUTO:
-            mode = DropoutMode.SAMPLE if self.training else DropoutMode.OFF
-        if mode is DropoutMode.OFF or self.p == 0.0 and mode is not DropoutMode.LEARN:
-            if mode is DropoutMode.RECORD:
-                self.recorded = x.new_ones(shape)
-            return x
-        scale = 1.0 / (1.0 - self.p)
-        if mode in (DropoutMode.SAMPLE, DropoutMode.RECORD):
-            keep = x.new_empty(shape).bernoulli_(1.0 - self.p)  # timm's draw
-            if mode is DropoutMode.RECORD:
-                self.recorded = keep.detach().clone()
-            return x * keep * scale
-        if self.mask is None:
-            raise RuntimeError(f"drop-path layer in {mode.value} mode has no mask set")
-        if self.mask.shape != shape:
-            raise ValueError(f"drop-path mask shape {tuple(self.mask.shape)} does not match {tuple(shape)}")
-        return x * self.mask * scale
+    kind = "drop-path"
+
+    def mask_shape(self, x: Tensor) -> torch.Size:
+        return torch.Size((x.shape[0],) + (1,) * (x.ndim - 1))
+
+    def new_mask(self, x: Tensor) -> Tensor:
+        return x.new_empty(self.mask_shape(x))  # one draw per image, as timm's DropPath draws
 
 
 def mask_rates(model: nn.Module, p: float, count: int) -> list[float]:
