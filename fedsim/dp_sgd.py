@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedsim.capture_rounds import parse_capture_rounds
 from fedsim.models import set_masks
 
 STATE_KEY = "dp-sgd"  # the ConfigRecord of the client's context.state that holds the accountant's history
@@ -231,10 +232,8 @@ def check_config(cfg: Mapping[str, Any], n: int) -> str | None:
 
 def capture_round_count(cfg: Mapping[str, Any]) -> int:
     """How many of the ``num-server-rounds`` rounds the curious server captures (``capture-rounds``)."""
-    from fedsim.run_config import capture_rounds  # run_config imports this module
-
     rounds = int(cfg["num-server-rounds"])
-    chosen = capture_rounds(cfg)
+    chosen = parse_capture_rounds(cfg["capture-rounds"])
     if chosen == "all":
         return rounds
     return sum(1 for r in chosen if 1 <= r <= rounds)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedsim.capture_rounds import parse_capture_rounds
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
 from fedsim.data.hf import parse_source
 from fedsim.data.partition import PARTITIONERS, PartitionError, make_partitioner
@@ -154,18 +155,10 @@ def _check_data_source(text: str) -> None:
 
 
 def _parse_capture_rounds(text: str) -> set[int] | str:
-    text = str(text).strip().lower()
-    if text == "all":
-        return "all"
-    if not text:
-        return set()
     try:
-        rounds = {int(part) for part in text.replace(" ", ",").split(",") if part}
-    except ValueError:
-        raise RunConfigError(f"capture-rounds must be 'all' or round numbers like '1,3', got {text!r}") from None
-    if min(rounds) < 1:
-        raise RunConfigError(f"capture-rounds must be 'all' or round numbers >= 1, got {text!r}")
-    return rounds
+        return parse_capture_rounds(text)
+    except ValueError as err:
+        raise RunConfigError(str(err)) from None
 
 
 def _check_capture_rounds(text: str) -> None:
