@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from fedsim.net import url_reachable
 
+from .errors import DataUnavailableError, VictimFileError
 from .hf import BUILTIN, load_hf, parse_source
 from .normalization import DatasetSpec, canonical_name, get_spec, normalize
 
@@ -39,14 +40,6 @@ _MNIST_5K_TEST_PER_CLASS = 100
 # (dataset, split) pairs whose fallback was already announced in this process.
 _ANNOUNCED: set[tuple[str, str]] = set()
 _ANNOUNCE_LOCK = threading.Lock()
-
-
-class DataUnavailableError(RuntimeError):
-    """A dataset is neither on disk, nor downloadable, nor available as an offline sample."""
-
-
-class VictimFileError(ValueError):
-    """A victim file is missing, unreadable, or does not hold valid ``inputs``/``targets``."""
 
 
 class ImageTensorDataset(Dataset):

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from fedsim.net import url_reachable
 
+from .errors import DataUnavailableError
 from .normalization import DatasetSpec, denormalize, normalize
 
 if TYPE_CHECKING:
@@ -180,8 +181,6 @@ def load_hf(
 ) -> HFImageDataset:
     """The train or test split of a ``hf:`` or ``imagefolder:`` data source as an :class:`HFImageDataset`.
     Raises DataUnavailableError with one line saying what is missing and how to get it."""
-    from .datasets import DataUnavailableError
-
     kind, name, config = parse_source(source)
     split_word = "train" if train else "test"
     if kind == "imagefolder":

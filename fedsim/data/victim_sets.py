@@ -25,7 +25,7 @@ from pathlib import Path
 from fedsim.atomic import atomic_write
 from fedsim.net import call_with_deadline
 
-from .datasets import VictimFileError
+from .errors import VictimFileError
 
 # The authors' repository at the commit the paper's victims were taken from; github.com resolves the
 # short commit id. The hashes below, not the URL, are what make the files the paper's.
