@@ -55,7 +55,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +66,29 @@ from torch.overrides import TorchFunctionMode
 from .dropout import DropoutMode, MaskedDropout, MaskedDropPath, dropout_mode
 from .errors import ModelSpecError
 
-if TYPE_CHECKING:
-    from .registry import ModelSpec
+
+@runtime_checkable
+class ModelSpec(Protocol):
+    """What this module reads of a ``registry.ModelSpec``. The registry's table calls this module's
+    builders and checks, so this module states the fields it needs instead of importing the registry
+    back (an import cycle); named like the registry's class so the signatures read the same."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dataset(self) -> str: ...
+    @property
+    def p(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
+    @property
+    def input_shape(self) -> tuple[int, int, int]: ...
+    @property
+    def num_classes(self) -> int: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
 
 CALLABLE_KEY = "module.path:factory"  # the table's entry for a Python factory
 TIMM_KEY = "timm:NAME"  # the table's entry for a timm model
