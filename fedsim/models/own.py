@@ -47,10 +47,10 @@ cannot route (in place, channel-wise, alpha, inside attention), any other random
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import json
 import os
+import pkgutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -212,13 +212,15 @@ def _import_factory(name: str) -> Callable[..., Any]:
         )
     _add_working_dir()
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # the user's module: whatever fails in it is shown in one line
-        raise ModelSpecError(f"model {name}: cannot import {module_name} ({_one_line(err)})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelSpecError(f"model {name}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj: Any = pkgutil.resolve_name(name)
+    except Exception as err:
+        # A failed import leaves no entry in sys.modules: then the module (the user's code) failed, whatever
+        # it raised; with the module imported, an AttributeError is the attribute path that is missing.
+        if sys.modules.get(module_name) is None:
+            raise ModelSpecError(f"model {name}: cannot import {module_name} ({_one_line(err)})") from None
+        if isinstance(err, AttributeError):
+            raise ModelSpecError(f"model {name}: {module_name} has no attribute {attr!r}") from None
+        raise
     if not callable(obj):
         raise ModelSpecError(f"model {name}: {attr} is a {type(obj).__name__}, not a callable returning an nn.Module")
     return obj
