@@ -98,9 +98,12 @@ def test_dirichlet_alpha_sets_the_label_skew() -> None:
     assert _mean_label_entropy(flat, LABELS) > 0.9 * np.log(10)
 
 
-def test_natural_id_gives_one_client_per_id() -> None:
+def test_natural_id_gives_one_client_per_id(capfd: pytest.CaptureFixture[str]) -> None:
     writers = (np.arange(len(LABELS)) * 7) % 5
-    parts = partition_dataset(label_table(LABELS, writer_id=writers), 5, "natural-id", {"partition_by": "writer_id"})
+    table = label_table(LABELS, writer_id=writers)
+    capfd.readouterr()
+    parts = partition_dataset(table, 5, "natural-id", {"partition_by": "writer_id"})
+    assert capfd.readouterr() == ("", "")  # Flower Datasets' own tqdm bar included
     assert sorted(int(np.unique(writers[p]).item()) for p in parts) == [0, 1, 2, 3, 4]
     assert sum(len(p) for p in parts) == len(LABELS)
     with pytest.raises(PartitionError, match="num-clients 5, not 4"):

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import numpy as np
 import torch
@@ -259,14 +259,14 @@ def partition_dataset(
 def _quiet() -> Iterator[None]:
     """Flower Datasets' warnings (Dirichlet redraws, classes left unused) and progress bars off: a
     partition that cannot be made is one PartitionError, one that can is silent."""
-    import flwr_datasets.partitioner.natural_id_partitioner as natural_id
-
     from .hf import quiet
 
-    with quiet(), warnings.catch_warnings():
+    # The natural-id partitioner draws a tqdm bar that no argument turns off (tqdm reads TQDM_DISABLE
+    # only when it is imported); the bar writes to sys.stderr, so the block's stderr goes to a buffer
+    # that is dropped. Errors leave the block as exceptions, and loggers keep the stream they were given.
+    with quiet(), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        with mock.patch.object(natural_id, "tqdm", lambda iterable, **_: iterable):
-            yield
+        yield
 
 
 def partition_table(dataset: Dataset) -> datasets.Dataset:
