@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from .closed_form.solvers import SOLVERS
 from .engine.job_adam import SCHEDULES
 from .engine.masks import MASK_INITS, MASK_MODES
 from .engine.objectives import DISTANCES, TERMS, term_weight
@@ -13,6 +14,7 @@ REPLAY_ORDERS = ("known", "unknown")
 # adam: the engine's per-job Adam rows (many jobs in one batched optimization); lbfgs: L-BFGS on the
 # images of one job at a time, masks held at their init (engine/lbfgs.py)
 OPTIMIZERS = ("adam", "lbfgs")
+IMAGE_INITS = ("random", "closed_form")
 
 
 class AttackConfigError(ValueError):
@@ -26,6 +28,11 @@ class AttackConfig:
     distance: str = "cosine"  # a name in objectives.DISTANCES: cosine (IG) or euclidean (APRIL)
     # Loss-term weights: one field per term in objectives.TERMS (0 or None: the term is off / its default)
     lambda_pos: float = 0.0  # APRIL: weight of the position-embedding cosine term
+    # the classifier's input features from the gradient (closed form) as a loss term (B = 1 gradients)
+    lambda_features: float = 0.0
+    # the dummies' start: random (N(0, 1), the paper's) or closed_form (a solver's answer where one
+    # applies, exact or partial; random elsewhere)
+    image_init: str = "random"
     tv_weight: float | None = None  # None: 1e-5 for MLP and ViT, 1e-2 for LeNet and ResNet
     lr: float = 0.1
     signed_gradients: bool = True
@@ -53,6 +60,9 @@ class AttackConfig:
     replay_eps_start: float | None = 1e-3
     replay_eps_end: float | None = 1e-5
     replay_eps_anneal: float = 1.0
+    # A closed-form attack (attacker.closed_form.solvers.SOLVERS): solved in one shot, no optimization;
+    # "" for the optimization attacks. Set by make_attack from the solver's name, never by a user.
+    solver: str = ""
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:
@@ -72,6 +82,10 @@ class AttackConfig:
         if self.schedule not in SCHEDULES:
             raise AttackConfigError(
                 f"attack {self.name}: schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.image_init not in IMAGE_INITS:
+            raise AttackConfigError(
+                f"attack {self.name}: image_init must be one of {IMAGE_INITS}, got {self.image_init!r}"
             )
         if self.mask_init not in MASK_INITS:
             raise AttackConfigError(
@@ -128,13 +142,36 @@ PRESETS: dict[str, AttackConfig] = {
 ALIASES = {"ig": "ig_eval", "dia-april": "dia_april", "ig-eval": "ig_eval", "ig-train": "ig_train"}
 
 
+# The closed-form attacks, each by its solver's name, and all of them (those that apply) by this one.
+CLOSED_FORMS: dict[str, AttackConfig] = {
+    name: AttackConfig(name, masks="off", lambda_mask=0.0, solver=name) for name in SOLVERS
+}
+CLOSED_FORM_GROUP = "closed_form"
+
+
+def attack_names(names: list[str]) -> list[str]:
+    """The attacks a list of names asks for: aliases resolved, ``closed_form`` expanded to every
+    solver, each once in the order given."""
+    out: list[str] = []
+    for name in names:
+        key = ALIASES.get(name, name)
+        out += list(CLOSED_FORMS) if key == CLOSED_FORM_GROUP else [key]
+    return list(dict.fromkeys(out))
+
+
 def make_attack(name: str, **overrides: Any) -> AttackConfig:
-    """A preset by name, with overrides checked against the known keys."""
+    """A preset or a closed-form attack by name, with overrides checked against the known keys (a
+    closed form has no optimization settings: they are accepted for every attack and unused there)."""
     key = ALIASES.get(name, name)
-    if key not in PRESETS:
-        raise AttackConfigError(f"unknown attack {name!r}; choose from {sorted(PRESETS)}")
-    known = {f.name for f in fields(AttackConfig)} - {"name", "masks"}
+    if key not in PRESETS and key not in CLOSED_FORMS:
+        raise AttackConfigError(
+            f"unknown attack {name!r}; choose from {sorted(PRESETS)}, the closed forms {sorted(CLOSED_FORMS)} "
+            f"or {CLOSED_FORM_GROUP!r} (every closed form that applies)"
+        )
+    known = {f.name for f in fields(AttackConfig)} - {"name", "masks", "solver"}
     unknown = set(overrides) - known
     if unknown:
         raise AttackConfigError(f"unknown attack setting(s) {sorted(unknown)}; allowed: {sorted(known)}")
+    if key in CLOSED_FORMS:
+        return CLOSED_FORMS[key]
     return replace(PRESETS[key], **overrides)

@@ -25,7 +25,8 @@ from fedsim.capture import Capture, list_captures, list_oracles, load_capture
 from fedsim.data import get_spec
 from fedsim.defenses import DEFENSES, NO_DEFENSE
 
-from .attacks import make_attack
+from .attacks import CLOSED_FORM_GROUP, attack_names, make_attack
+from .closed_form.solvers import SOLVERS
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .jobs import JobResult, Oracle, VictimJob
 from .metrics import LpipsScorer, score_batch
@@ -36,7 +37,10 @@ from .scoring import prior_for, prior_images, prior_score, rdlv
 
 DEFAULT_THRESHOLD = 0.6
 THRESHOLD_METRIC = "ssim_std"  # SSIM on images mapped back to [0,1]: the space a person looks at
-DEFAULT_ATTACKS = ("ig_eval", "dia")  # plus wiig (the oracle's bound) when the run kept the oracle
+# Closed forms first (one shot: an exact leak is found before any optimization), then IG and DIA;
+# plus wiig (the oracle's bound) when the run kept the oracle. A closed form that does not apply is
+# skipped, its reason in the report.
+DEFAULT_ATTACKS = (CLOSED_FORM_GROUP, "ig_eval", "dia")
 IMAGE_KEYS = ("ssim_paper", "ssim_std", "ssim_minmax", "psnr_paper", "lpips")
 GRID_FILE = "audit_grid.png"
 GRID_MAX_JOBS = 16
@@ -48,6 +52,8 @@ LABELS = {
     "april": "APRIL",
     "dia_april": "DIA+APRIL",
     "dia_onestep": "DIA on Δ/(lr·K)",
+    "vit_patches": "the closed-form patch solve",
+    "first_linear": "the closed-form first-Linear solve",
 }
 
 
@@ -121,7 +127,7 @@ def check_out(out: Path, run_dir: Path) -> bool:
 
 
 def _names(attacks: list[str]) -> list[str]:
-    return [make_attack(a).name for a in attacks]  # aliases (ig) to the preset's name (ig_eval)
+    return attack_names(attacks)  # aliases (ig) to the preset's name (ig_eval), closed_form to its solvers
 
 
 def attack_config(out: Path, run_dir: Path, options: AuditOptions, reuse: bool) -> RunConfig:
@@ -153,6 +159,15 @@ def attack_config(out: Path, run_dir: Path, options: AuditOptions, reuse: bool) 
             "profile": options.profile or DEFAULT_PROFILE,
         }
     )
+
+
+def closed_forms_skipped(out: Path) -> dict[str, str]:
+    """The closed forms the attack run skipped, with why (``closed_form.json``; a run from before
+    closed forms has none)."""
+    try:
+        return dict(json.loads((out / "closed_form.json").read_text()).get("skipped", {}))
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 # -- the setting, from the captures' records ---------------------------------------------------------
@@ -360,6 +375,9 @@ def verdict(setting: dict[str, Any], summary: dict[str, Any], threshold: float) 
             f"{100 * k / n:.0f} %), from the captures alone, as the curious server can. "
             f"{protection} does not protect these clients' images."
         )
+        for name in winners:  # a closed form names its mechanism: what in the gradient gives the image away
+            if name in SOLVERS:
+                text += f" {label(name).capitalize()}: {SOLVERS[name].mechanism}."
     else:
         best = summary["best_ssim_std"]
         reached = f"; the best image reached [0,1] SSIM {best:.2f}" if best is not None else ""
@@ -369,12 +387,14 @@ def verdict(setting: dict[str, Any], summary: dict[str, Any], threshold: float) 
             f"{summary['iterations_cap']:,} iterations per job, not a guarantee: longer or stronger attacks, "
             "or a lower threshold, may find more."
         )
+        if summary.get("closed_forms_skipped") and not any(a in SOLVERS for a in summary["server_attacks"]):
+            text += f" No closed-form attack applies ({', '.join(summary['closed_forms_skipped'])}: see the report)."
     bound = summary.get("oracle_bound")
     if bound:
         text += (
             f" {label(bound['attack'])}, which replays the clients' true dropout masks from the audit's oracle, "
-            f"reconstructed {bound['recognisable']} of {bound['images']} recognisably: an upper bound, reported "
-            "apart because a real server has no oracle."
+            f"reconstructed {bound['recognisable']} of {bound['images']} recognisably: the optimization's bound, "
+            "reported apart because a real server has no oracle."
         )
     return text
 
@@ -421,6 +441,7 @@ def markdown(audit: dict[str, Any]) -> str:
         if bound
         else "no oracle attack"
     )
+    skipped_lines = "".join(f"\n- Skipped: {reason}." for reason in audit.get("closed_forms_skipped", {}).values())
     return f"""# Gradient-leakage audit of `{audit["run_dir"]}`
 
 {audit["verdict"]}
@@ -436,7 +457,7 @@ Up to {summary["iterations_cap"]:,} iterations per job, attack profile {audit["p
 table, grid and curves: [report.md](report.md).
 - Recognisable: [0,1] SSIM ≥ {thr:g} (`--threshold`): {summary["recognisable"]} of {summary["images"]} \
 ({100 * summary["fraction"]:.0f} %) by the best attack per image{alone}.
-- LPIPS: {audit["lpips"]}.
+- LPIPS: {audit["lpips"]}.{skipped_lines}
 
 ## Per client and round (the best attack per image)
 
@@ -506,6 +527,9 @@ def run_audit(
         log(f"reusing the finished attack run in {out} ({', '.join(attacks)})")
     else:
         run_attack(cfg, out, progress=options.progress, log=log)
+    skipped = closed_forms_skipped(out)
+    attacks = [a for a in attacks if a not in skipped]
+    server = [a for a in server if a not in skipped]
     jobs, oracles = load_jobs(cfg, log)
     first = load_capture(jobs[0].meta["capture"], check_model=False)
     setting = with_privacy_spent(describe_setting(first), run_dir)
@@ -515,8 +539,10 @@ def run_audit(
     if not images:
         raise AuditError(f"no captured client-round of {run_dir} has an oracle record to score against")
     # the budget the server's attacks had (a run's captures share one model, hence one profile entry)
-    cap = max(cfg.for_model(a, jobs[0].spec).max_iterations for a in cfg.attack_configs() if not a.receives_oracle)
+    optimized = [a for a in cfg.attack_configs() if not a.receives_oracle and not a.solver]
+    cap = max((cfg.for_model(a, jobs[0].spec).max_iterations for a in optimized), default=0)
     summary = _summary(images, server, threshold, cap, len(clients))
+    summary["closed_forms_skipped"] = sorted(skipped)
     lpips_state = (
         "not computed (--no-lpips)"
         if scorer is None
@@ -539,6 +565,7 @@ def run_audit(
         "images": images,
         "unscored": unscored,
         "grid": GRID_FILE,
+        "closed_forms_skipped": skipped,
     }
     audit["verdict"] = verdict(setting, summary, threshold)
     by_id = {j.job_id: (j, o) for j, o in zip(jobs, oracles)}

@@ -32,7 +32,8 @@ from fedsim.models import ModelSpecError
 from fedsim.models.own import trust_factory
 from fedsim.run_config import SETTINGS, RunConfigError, model_options
 
-from .attacks import PRESETS, REPLAY_ORDERS, AttackConfigError
+from .attacks import CLOSED_FORM_GROUP, PRESETS, REPLAY_ORDERS, AttackConfigError
+from .closed_form.solvers import SOLVERS
 from .config import DEVICES, ConfigError, RunConfig, parse_config, read_config_data
 from .engine.runner import CheckpointError
 from .live import watch
@@ -78,7 +79,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--victims", type=int, help="number of victim images")
         p.add_argument("--victim-file", help="a victim file (torch.save dict of normalized inputs and targets)")
         p.add_argument("--captures", help="a federated run folder: attack its captured gradients")
-        p.add_argument("--attacks", nargs="+", help=f"attack presets: {', '.join(PRESETS)}")
+        p.add_argument(
+            "--attacks",
+            nargs="+",
+            help=f"attack presets: {', '.join(PRESETS)}; closed forms: {', '.join(SOLVERS)}, or "
+            f"{CLOSED_FORM_GROUP} (every one that applies)",
+        )
         p.add_argument("--iterations", type=int, help="iteration cap per job (paper: 20000)")
         p.add_argument(
             "--profile", choices=list(PROFILES), help=f"attack settings per model family (default: {DEFAULT_PROFILE})"
@@ -411,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
                 name, a.masks, a.distance, str(a.lambda_pos), str(a.lambda_mask), str(a.lr), str(a.max_iterations)
             )
         console.print(table)
+        forms = Table(title=f"closed-form attacks (one shot, no optimization; {CLOSED_FORM_GROUP}: all that apply)")
+        for col in ("name", "needs", "gives"):
+            forms.add_column(col)
+        for name, solver in SOLVERS.items():
+            forms.add_row(name, solver.needs, solver.mechanism)
+        console.print(forms)
         return 0
     _quiet_libraries()
     configure_logging()

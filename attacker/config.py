@@ -16,7 +16,7 @@ from fedsim.models.registry import validate_spec
 from fedsim.run_config import DEFAULTS, LABEL_POLICIES, RunConfigError, from_run_config, resolve_config, to_run_config
 from fedsim.task import local_plan
 
-from .attacks import AttackConfig, AttackConfigError, make_attack
+from .attacks import AttackConfig, AttackConfigError, attack_names, make_attack
 from .engine.inversion import CHECKPOINT_EVERY
 from .profiles import BASE_PROFILE, DEFAULT_PROFILE, ProfileError, check_profile, profile_settings
 
@@ -76,7 +76,7 @@ class RunConfig:
     max_unroll_gb: float = 8.0  # memory for replaying FedAvg updates: groups are sized to fit, larger rounds refused
 
     def attack_configs(self) -> list[AttackConfig]:
-        return [make_attack(name, **self.attack_overrides) for name in self.attacks]
+        return [make_attack(name, **self.attack_overrides) for name in attack_names(self.attacks)]
 
     def for_model(
         self, attack: AttackConfig, spec: ModelSpec, fits: Callable[[AttackConfig], bool] | None = None

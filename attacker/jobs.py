@@ -216,3 +216,4 @@ class JobResult:
     optimized_values: int
     losses: list[float] = field(default_factory=list)
     ssim_curve: list[tuple[int, float]] = field(default_factory=list)  # (iteration, SSIM): attacker.curves
+    extras: dict = field(default_factory=dict)  # a closed-form solve's rank and residual (metrics.json)

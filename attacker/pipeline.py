@@ -13,8 +13,9 @@ import torch
 
 from fedsim.data import load_dataset, load_victim_file, paper_victims, partition_iid, sample_victims
 
-from .attacks import AttackConfig
+from .attacks import ALIASES, AttackConfig
 from .captures import capture_paths, jobs_from_captures
+from .closed_form.run import SOLVED, ClosedForms
 from .config import ConfigError, RunConfig, dump_config
 from .engine.lbfgs import lbfgs_fits
 from .engine.replay import unroll_bytes
@@ -190,6 +191,8 @@ def _pair(
         return built[key]
 
     for attack in attack_cfgs:
+        if attack.solver:
+            continue  # a closed form is solved, not optimized (closed_form_pairs)
         for job, oracle in zip(jobs, oracles):
             if job.plan is not None and not attack.replay:  # the baseline: Δ/(lr·K) as one gradient
                 if attack.receives_oracle:
@@ -214,6 +217,36 @@ def _pair(
     return pairs
 
 
+@dataclass
+class ClosedFormPlan:
+    """The closed-form solves of a run: (job, oracle, solver) for each that applies, and per solver
+    that applies to no job, why (one line each)."""
+
+    solves: list[tuple[VictimJob, Oracle | None, str]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def closed_form_pairs(
+    forms: ClosedForms, jobs: list[VictimJob], oracles: list[Oracle | None], cfg: RunConfig
+) -> ClosedFormPlan:
+    """Which closed form solves which job. A solver named on its own must apply to every job (else a
+    ConfigError: one line naming what is missing); one that came with ``closed_form`` is skipped where
+    it does not apply, and the reason kept for the report."""
+    explicit = {ALIASES.get(n, n) for n in cfg.attacks}
+    plan = ClosedFormPlan()
+    for attack in cfg.attack_configs():
+        if not attack.solver:
+            continue
+        reasons = {j.job_id: forms.reason(attack.solver, j) for j in jobs}
+        bad = [r for r in reasons.values() if r is not None]
+        if bad and attack.name in explicit:
+            raise ConfigError(bad[0])
+        plan.solves += [(j, o, attack.solver) for j, o in zip(jobs, oracles) if reasons[j.job_id] is None]
+        if len(bad) == len(jobs):
+            plan.skipped[attack.solver] = bad[0]
+    return plan
+
+
 def run_attack(
     cfg: RunConfig,
     run_dir: str | Path,
@@ -232,43 +265,62 @@ def run_attack(
     # One plain SGD step on all images IS a gradient: the one-step attack, exactly.
     jobs = [as_one_gradient(j) if exact_as_gradient(j) else j for j in jobs]
     attack_cfgs = cfg.attack_configs()
+    forms = ClosedForms()
+    closed = closed_form_pairs(forms, jobs, oracles, cfg)
     pairs = _pair(jobs, oracles, attack_cfgs, cfg)
-    all_jobs, scoring_jobs, scoring_oracles = pairs.jobs, pairs.scoring_jobs, pairs.scoring_oracles
-    if not all_jobs:
+    all_jobs = pairs.jobs
+    if not all_jobs and not closed.solves:
+        if closed.skipped and len(closed.skipped) == len(attack_cfgs):
+            raise ConfigError("no closed form applies:\n" + "\n".join(closed.skipped.values()))
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
     group_cap = _unroll_cap(all_jobs, cfg.max_unroll_gb)
     atomic_write(run_dir / "config.yaml", dump_config(cfg))
     atomic_write(run_dir / "run.json", json.dumps({"status": "running", "started": started}))
-    spec = all_jobs[0].spec
+    spec = jobs[0].spec
     what = "victim batches" if jobs[0].plan is None else f"client updates of {len(jobs[0].steps)} local steps"
     if jobs[0].plan is not None and jobs[0].plan.proximal_mu:  # the replay includes FedProx's term
         what += f" (FedProx, mu {jobs[0].plan.proximal_mu:g})"
+    ran = [a for a in attack_cfgs if a.solver not in closed.skipped]
     log(
-        f"{len(all_jobs)} victim jobs: {len(jobs)} {what} x {len(attack_cfgs)} attacks "
-        f"({', '.join(a.name for a in attack_cfgs)}), {spec.name}/{spec.dataset}, p={spec.p}, "
-        f"B={all_jobs[0].batch_size}"
+        f"{len(all_jobs) + len(closed.solves)} victim jobs: {len(jobs)} {what} x {len(ran)} attacks "
+        f"({', '.join(a.name for a in ran)}), {spec.name}/{spec.dataset}, p={spec.p}, B={jobs[0].batch_size}"
     )
-    attack_started = time.time()
-    results: list[JobResult] = run_jobs(
-        all_jobs,
-        pairs.attacks,
-        pairs.oracles,
-        run_dir,
-        seed=cfg.seed,
-        accelerator=cfg.device,
-        checkpoint_every=cfg.checkpoint_every,
-        progress=progress,
-        max_jobs_per_group=group_cap,
-        score_oracles=pairs.curve_oracles,
-        log=log,
-    )
-    iterations = sum(len(r.losses) for r in results)
-    log(
-        f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "
-        f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s"
-    )
+    for reason in closed.skipped.values():
+        log(f"skipped: {reason}")
+    # Closed forms first: one shot each, and a run's report lists them above the optimizations.
+    solved = [forms.solve(name, job) for job, _, name in closed.solves]
+    if solved:
+        exact = sum(r.status == SOLVED for r in solved)
+        log(
+            f"closed forms: {len(solved)} solves, {exact} exact, {sum(r.extras['solve_seconds'] for r in solved):.2f} s"
+        )
+    results: list[JobResult] = []
+    if all_jobs:
+        attack_started = time.time()
+        results = run_jobs(
+            all_jobs,
+            pairs.attacks,
+            pairs.oracles,
+            run_dir,
+            seed=cfg.seed,
+            accelerator=cfg.device,
+            checkpoint_every=cfg.checkpoint_every,
+            progress=progress,
+            max_jobs_per_group=group_cap,
+            score_oracles=pairs.curve_oracles,
+            log=log,
+        )
+        iterations = sum(len(r.losses) for r in results)
+        log(
+            f"{iterations:,} victim-iterations in {time.time() - attack_started:.0f} s: "
+            f"{iterations / max(time.time() - attack_started, 1e-9):.1f} victim-it/s"
+        )
+        results = pairs.best_of_restarts(results)
     lpips = LpipsScorer(allow_download=True, download_timeout=5.0) if cfg.lpips else None  # offline: "unavailable"
-    results = pairs.best_of_restarts(results)
+    results = solved + results
+    scoring_jobs = [j for j, _, _ in closed.solves] + pairs.scoring_jobs
+    scoring_oracles = [o for _, o, _ in closed.solves] + pairs.scoring_oracles
+    atomic_write(run_dir / "closed_form.json", json.dumps({"skipped": closed.skipped}, indent=1))
     rows = score_results(scoring_jobs, scoring_oracles, results, lpips)
     for row in rows:
         row["profile"] = cfg.profile  # every result says which attack settings ran
@@ -278,7 +330,8 @@ def run_attack(
         scoring_oracles,
         results,
         rows,
-        title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {all_jobs[0].batch_size}, profile {cfg.profile}",
+        title=f"{spec.name} / {spec.dataset}, p = {spec.p}, B = {jobs[0].batch_size}, profile {cfg.profile}",
+        skipped=closed.skipped,
     )
     elapsed = time.time() - started
     atomic_write(run_dir / "run.json", json.dumps({"status": "finished", "started": started, "seconds": elapsed}))

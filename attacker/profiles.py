@@ -33,6 +33,8 @@ PROFILE_KEYS = (
     "restarts",
     "optimizer",
     "mask_init",
+    "lambda_features",
+    "image_init",
 )
 
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {

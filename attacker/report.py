@@ -121,6 +121,29 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def closed_form_lines(rows: list[dict[str, Any]], skipped: dict[str, str]) -> str:
+    """The closed forms' part of the report: per solver how many jobs it solved exactly (full rank,
+    relative residual <= 1e-6), the worst residual and the ranks; and why a solver did not run."""
+    solved: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if "relative_residual" in row:
+            solved[row["attack"]].append(row)
+    if not solved and not skipped:
+        return ""
+    lines = ["", "Closed forms (one shot, 0 iterations; exact: full rank and relative residual ≤ 1e-6):", ""]
+    for name, members in solved.items():
+        exact = sum(bool(m["exact"]) for m in members)
+        ranks = sorted({f"{m['rank']}/{m['unknowns']}" for m in members})
+        worst = max(float(m["relative_residual"]) for m in members)
+        seconds = sum(float(m.get("solve_seconds", 0.0)) for m in members) / len(members)
+        lines.append(
+            f"- {name}: {exact} of {len(members)} jobs exact; rank {', '.join(ranks)}; largest relative residual "
+            f"{worst:.1e}; {seconds:.3f} s per job."
+        )
+    lines += [f"- skipped: {reason}." for reason in skipped.values()]
+    return "\n".join(lines) + "\n"
+
+
 def image_grid(
     jobs: list[VictimJob], oracles: list[Oracle | None], results: list[JobResult], max_victims: int = 8
 ) -> bytes:
@@ -188,6 +211,7 @@ def write_results(
     results: list[JobResult],
     rows: list[dict[str, Any]],
     title: str = "Gradient inversion run",
+    skipped: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     run_dir = Path(run_dir)
     summary = summarize_rows(rows)
@@ -227,6 +251,7 @@ def write_results(
         f"data_range = 1/std (the space of the paper's tables); *[0,1]* is the standard space.\n\n"
         + defense_lines
         + format_table(summary)
+        + closed_form_lines(rows, skipped or {})
         + "\n![reconstructions](grid.png)\n\n![loss curves](loss_curves.png)\n"
     )
     atomic_write(run_dir / "report.md", report)

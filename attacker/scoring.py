@@ -43,6 +43,7 @@ def score_results(
             "best_iteration": res.best_iteration,
             "best_loss": res.best_loss,
             "optimized_values": res.optimized_values,
+            **res.extras,
         }
         if oracle is not None:
             spec = get_spec(job.spec.dataset, job.spec.input_shape[0])

@@ -25,6 +25,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from ..attacks import AttackConfig
 from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
+from .features import FeatureTargets
 from .lbfgs import ImageLBFGS
 from .masks import mask_mode
 from .matching import Matcher
@@ -103,6 +104,11 @@ class InversionModule(LightningModule):
                 for a, learned in zip(attacks, learns)
             ]
             self.register_buffer(f"weight_{key}", torch.tensor(weights), persistent=False)
+        # The features term: each job's target features from its gradient; off for jobs without one.
+        self.features: FeatureTargets | None = None
+        if self.weight_lambda_features.any():
+            self.features = FeatureTargets(jobs, model)
+            self.weight_lambda_features.mul_(torch.tensor(self.features.has, dtype=torch.float32))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -159,6 +165,9 @@ class InversionModule(LightningModule):
         for d, name in enumerate(self.distance_names[1:], start=1):
             loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
         inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies, self.unknowns.mask_rates)
+        if self.features is not None:
+            inputs.features = self.features.dummies(len(active) * self.B)
+            inputs.target_features = self.features.targets.index_select(0, index)
         for key, term in TERMS.items():
             weight = getattr(self, f"weight_{key}").index_select(0, index)
             if weight.any():  # a term no active job uses is not computed

@@ -33,6 +33,10 @@ class TermInputs:
     p: float
     copies: int = 1  # an unknown batch order: each job's images are this many epoch copies (copy-major)
     rates: list[float] | None = None  # per mask its drop rate; None: p for every mask
+    # The dummies' input features to the model's last Linear (rows job-major) and each job's target
+    # features from its gradient (engine/features.py); None where no active job has a target.
+    features: Tensor | None = None
+    target_features: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,17 @@ def total_variation_term(inputs: TermInputs) -> Tensor:
 @term("lambda_mask", learned_masks_only=True)
 def mask_term(inputs: TermInputs) -> Tensor:
     return mask_regularizer(inputs.masks, inputs.num_jobs, inputs.rates or inputs.p)
+
+
+@term("lambda_features")
+def features_term(inputs: TermInputs) -> Tensor:
+    """The dummies' classifier-input features against the features the gradient gives (closed form):
+    the squared error relative to the target's norm, per job (breaching's feature regularization)."""
+    if inputs.features is None or inputs.target_features is None:
+        raise ValueError("the features term needs the dummies' and the target features (B = 1 gradient jobs)")
+    f = inputs.features.reshape(inputs.num_jobs, -1)
+    t = inputs.target_features.reshape(inputs.num_jobs, -1)
+    return (f - t).pow(2).sum(1) / t.pow(2).sum(1).clamp_min(EPS)
 
 
 # 1e-2: the order prior is a mean squared pixel difference, O(0.1-1) for random dummies in normalized

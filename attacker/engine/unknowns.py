@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from fedsim.models.dropout import mask_rates
 
 from ..attacks import AttackConfig
+from ..closed_form.run import ClosedForms
 from ..jobs import Oracle, VictimJob
 from .job_adam import _rows_view, adam_factors, adam_rows_
 from .masks import MaskContext, mask_mode
@@ -55,12 +56,17 @@ class Unknowns(nn.Module):
         self.register_buffer("box_low", box[0], persistent=False)
         self.register_buffer("box_high", box[1], persistent=False)
         images: list[Tensor] = []
+        forms = ClosedForms()
         learn_rows: list[list[Tensor]] = [[] for _ in mask_shapes]
         const_rows: list[list[Tensor]] = [[] for _ in mask_shapes]
         self.mask_slots: list[list[tuple[str, int]]] = []
         for j, (job, attack) in enumerate(zip(jobs, attacks)):
             gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
-            images.append(torch.randn(job.batch_size, *first.spec.input_shape, generator=gen))
+            start = torch.randn(job.batch_size, *first.spec.input_shape, generator=gen)
+            if attack.image_init == "closed_form":  # a solver's (partial) answer where one applies
+                guess = forms.first_guess(job)
+                start = guess.to(start.dtype) if guess is not None else start
+            images.append(start)
             oracle = oracles[j] if oracles else None
             if oracle is not None and not attack.receives_oracle:
                 # The threat model: IG and DIA see only what the server saw, never ground truth.

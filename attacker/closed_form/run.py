@@ -1,0 +1,98 @@
+"""Closed-form attacks in a run: which solver applies to which job (and why not), and their results.
+
+A solve bypasses the optimization: it returns the same ``JobResult`` as the engine's attacks, with
+0 iterations, status ``solved`` (exact: full rank, relative residual <= ``EXACT_RTOL``) or
+``solved_inexact`` (rank-deficient, or a defense left a residual), and its rank and residual in
+``extras`` (metrics.json).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from fedsim.data import box_bounds, get_spec
+
+from ..jobs import JobResult, VictimJob, model_from_job
+from .solvers import SOLVERS, NotApplicable, Solution
+
+SOLVED, SOLVED_INEXACT = "solved", "solved_inexact"
+
+
+def _spec_key(job: VictimJob) -> str:
+    return json.dumps(job.spec.to_dict(), sort_keys=True, default=str)
+
+
+@dataclass
+class ClosedForms:
+    """Finds each solver's structure once per model (the jobs of a run share few models), says why a
+    solver does not apply to a job, and solves the jobs it applies to."""
+
+    _models: dict[str, nn.Module] = field(default_factory=dict)
+    _found: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    def model(self, job: VictimJob) -> nn.Module:
+        key = _spec_key(job)
+        if key not in self._models:
+            self._models[key] = model_from_job(job)
+        return self._models[key]
+
+    def _structure(self, name: str, job: VictimJob) -> Any:
+        key = (name, _spec_key(job))
+        if key not in self._found:
+            spec = job.spec
+            try:
+                self._found[key] = SOLVERS[name].find(self.model(job), tuple(spec.input_shape), spec.num_classes)
+            except NotApplicable as err:
+                self._found[key] = err
+        return self._found[key]
+
+    def reason(self, name: str, job: VictimJob) -> str | None:
+        """Why solver ``name`` cannot solve ``job``, in one line; None where it applies."""
+        solver = SOLVERS[name]
+        if job.plan is not None:
+            return (
+                f"{name} solves a one-step gradient; job {job.job_id} holds an update of {len(job.steps)} local "
+                "steps, whose gradients (each with its own masks) are mixed in one update"
+            )
+        if job.batch_size > 1:
+            return (
+                f"{name} takes one image per gradient, and job {job.job_id} has B = {job.batch_size}: "
+                f"{solver.batch_reason}"
+            )
+        found = self._structure(name, job)
+        if isinstance(found, NotApplicable):
+            return f"{name} needs {solver.needs}; {job.spec.name} has none ({found})"
+        return None
+
+    def first_guess(self, job: VictimJob) -> Tensor | None:
+        """The images of the first solver that applies to ``job`` (its answer, exact or partial: a
+        rank-deficient system's minimum-norm solution), for an optimization to start from; None where
+        none applies."""
+        for name in SOLVERS:
+            if self.reason(name, job) is None:
+                return self.solve(name, job).images
+        return None
+
+    def solve(self, name: str, job: VictimJob) -> JobResult:
+        started = time.perf_counter()
+        solution: Solution = SOLVERS[name].solve(self._structure(name, job), job, self.model(job))
+        seconds = time.perf_counter() - started
+        low, high = box_bounds(get_spec(job.spec.dataset, job.spec.input_shape[0]))
+        images = solution.images.clamp(low, high)  # valid pixels, as every other attack's iterate
+        return JobResult(
+            job.job_id,
+            name,
+            images,
+            None,
+            best_loss=solution.residual,
+            best_iteration=0,
+            iterations=0,
+            status=SOLVED if solution.exact else SOLVED_INEXACT,
+            optimized_values=0,
+            extras={**solution.metrics(), **solution.extra, "solve_seconds": seconds},
+        )

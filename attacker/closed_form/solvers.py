@@ -1,0 +1,298 @@
+"""Closed-form attacks: where a one-step gradient gives the input away by linear algebra, in one shot.
+
+One table, ``SOLVERS``: each entry says what structure it needs (found by ``probe``, never by a
+name), why it cannot take a batch of several images, and how it solves a job on the server's view
+alone (the captured gradient and the model; never the oracle). Adding a solver is one
+``@solver(...)`` function here; ``--attacks NAME`` (or ``closed_form``: every one that applies),
+experiment files and ``attacker audit`` pick it up.
+
+``last_linear_features`` is a closed form too, but of the classifier's input features, not of the
+image: a constraint for the optimization (``objectives``' features term), with no SSIM of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.optimize import minimize_scalar
+from torch import Tensor, nn
+
+from ..jobs import VictimJob
+from .probe import Layer, evaluating, first_layer, images_from_rows, last_linear, position_embedding
+
+# A solve claims "exact" only where the linear system it solved holds to this relative residual
+# (float32 rounding of the client's own gradient is about 1e-7); pruning or noise leave more.
+EXACT_RTOL = 1e-6
+
+
+class NotApplicable(ValueError):
+    """The model or the capture lacks what a solver needs; the message says what, in one line."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    """One job's closed-form answer: its images (normalized space) and how well the system fixed them."""
+
+    images: Tensor
+    rank: int  # the rank of the system's matrix
+    unknowns: int  # the rank it needs for a unique answer (patches, or 1 for a rank-one gradient)
+    residual: float  # relative residual of the solved linear system
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exact(self) -> bool:
+        return self.rank >= self.unknowns and self.residual <= EXACT_RTOL
+
+    def metrics(self) -> dict[str, Any]:
+        return {"rank": self.rank, "unknowns": self.unknowns, "relative_residual": self.residual, "exact": self.exact}
+
+
+@dataclass(frozen=True)
+class Solver:
+    name: str
+    needs: str  # the structure it needs, in words ("NAME needs ...; MODEL has none")
+    mechanism: str  # what gives the image away, in plain words (the audit's verdict)
+    batch_reason: str  # why it takes only one image per gradient
+    find: Callable[[nn.Module, tuple[int, ...], int], Any]  # the structure, or NotApplicable
+    solve: Callable[[Any, VictimJob, nn.Module], Solution]
+
+
+SOLVERS: dict[str, Solver] = {}
+
+
+def solver(name: str, *, needs: str, mechanism: str, batch_reason: str, find: Callable[..., Any]):
+    def register(fn: Callable[[Any, VictimJob, nn.Module], Solution]) -> Callable[..., Solution]:
+        SOLVERS[name] = Solver(name, needs, mechanism, batch_reason, find, fn)
+        return fn
+
+    return register
+
+
+def _grads(job: VictimJob, model: nn.Module) -> dict[str, Tensor]:
+    return {n: g.detach().double().cpu() for (n, _), g in zip(model.named_parameters(), job.gradient)}
+
+
+def _rank(matrix: Tensor) -> int:
+    """Numerical rank at the exactness tolerance (singular values above EXACT_RTOL of the largest)."""
+    s = torch.linalg.svdvals(matrix)
+    return int((s > EXACT_RTOL * s[0]).sum()) if s.numel() and s[0] > 0 else 0
+
+
+def _relative(residual: Tensor, target: Tensor) -> float:
+    return float(torch.linalg.norm(residual) / torch.linalg.norm(target).clamp_min(1e-300))
+
+
+# -- (a) the ViT's patches from the position-embedding gradient ---------------------------------------
+
+
+@dataclass(frozen=True)
+class _Patches:
+    layer: Layer
+    pos: Any  # probe.PositionEmbedding
+    input_shape: tuple[int, ...]
+
+
+def _find_patches(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _Patches:
+    layer = first_layer(model, input_shape)
+    if layer is None:
+        raise NotApplicable("no Linear or Conv2d layer")
+    if layer.pixels is None or layer.tokens < 2:
+        raise NotApplicable(f"its first layer, {layer.kind}, is no linear map of separate patches")
+    pos = position_embedding(model, layer, input_shape, classes)
+    if pos is None:
+        raise NotApplicable(
+            f"its first layer embeds {layer.tokens} patches, but no parameter is added to every token after it"
+        )
+    return _Patches(layer, pos, input_shape)
+
+
+@solver(
+    "vit_patches",
+    needs="a learned position embedding added after a per-patch linear embedding",
+    mechanism=(
+        "the position-embedding gradient gives every patch exactly: dropout does not protect this ViT at batch size 1"
+    ),
+    batch_reason="at B > 1 the position-embedding gradient sums every image's token gradients",
+    find=_find_patches,
+)
+def solve_patches(found: _Patches, job: VictimJob, model: nn.Module) -> Solution:
+    """Tokens z_i = W p_i + b + pos_i, so dL/dpos_i = dL/dz_i =: g_i (dropout after the sum is inside
+    g_i) and dL/dW = sum_i g_i p_i^T = G^T P: the patches P are the least-squares solution of G^T P = dW,
+    unique when G has full row rank (tokens <= embedding width)."""
+    grads, pos = _grads(job, model), found.pos
+    g = grads[pos.name].reshape(-1, pos.dim)[pos.offset : pos.offset + pos.tokens]  # (tokens, dim)
+    dw = grads[found.layer.weight].reshape(pos.dim, -1)  # (dim, entries per patch)
+    rows = torch.linalg.lstsq(g.T, dw, driver="gelsd").solution  # minimum norm where G is rank-deficient
+    images = images_from_rows(rows[None], found.layer.pixels, found.input_shape)
+    return Solution(images, _rank(g), pos.tokens, _relative(g.T @ rows - dw, dw))
+
+
+# -- (b) the first Linear's input: a rank-one gradient at B = 1 ---------------------------------------
+
+
+@dataclass(frozen=True)
+class _FirstLinear:
+    layer: Layer
+    following: Layer | None  # the next Linear, whose gradient fixes the scale where there is no bias
+    input_shape: tuple[int, ...]
+
+
+def _find_first_linear(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _FirstLinear:
+    layer = first_layer(model, input_shape)
+    if layer is None or not isinstance(layer.module, nn.Linear):
+        raise NotApplicable(f"its first layer is {layer.kind if layer else 'none'}")
+    if layer.pixels is None or layer.tokens != 1:
+        raise NotApplicable(f"its first Linear sees {layer.tokens or 'no'} patch rows, not the flattened image")
+    following = None
+    if layer.bias is None:
+        following = _second_linear(model, layer, input_shape)
+        if following is None:
+            raise NotApplicable("its first Linear has no bias and no second Linear follows to fix the scale")
+    return _FirstLinear(layer, following, input_shape)
+
+
+def _second_linear(model: nn.Module, first: Layer, input_shape: tuple[int, ...]) -> Layer | None:
+    calls: list[nn.Module] = []
+    handles = [
+        m.register_forward_pre_hook(lambda m, a: calls.append(m)) for m in model.modules() if isinstance(m, nn.Linear)
+    ]
+    try:
+        with torch.no_grad(), evaluating(model):
+            model(torch.zeros(1, *input_shape))
+    finally:
+        for h in handles:
+            h.remove()
+    later = [m for m in calls if m is not first.module]
+    if not later:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    module = later[0]
+    prefix = names[id(module)]
+    bias = f"{prefix}.bias" if module.bias is not None else None
+    return Layer(module, f"{prefix}.weight", bias, (module.in_features,))
+
+
+def _layer_inputs(model: nn.Module, module: nn.Module, x: Tensor) -> Tensor:
+    """The input ``module`` receives when the model runs ``x`` (dropout off)."""
+    seen: list[Tensor] = []
+    handle = module.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    try:
+        with torch.no_grad(), evaluating(model):
+            model(x)
+    finally:
+        handle.remove()
+    return seen[0].reshape(x.shape[0], -1).double()
+
+
+def _best_scale(misfit: Callable[[np.ndarray], np.ndarray], typical: float) -> tuple[float, float]:
+    """The scale c (either sign) that minimizes ``misfit`` (vectorized over c): a log grid over six
+    decades around ``typical``, refined by a bounded scalar search around the best grid point."""
+    grid = typical * np.logspace(-3, 3, 241)
+    candidates = np.concatenate([grid, -grid])
+    values = misfit(candidates)
+    best = int(np.nanargmin(values))
+    c0, sign = abs(candidates[best]), np.sign(candidates[best])
+    res = minimize_scalar(
+        lambda t: float(misfit(np.array([sign * np.exp(t)]))[0]),
+        bounds=(np.log(c0) - 0.06, np.log(c0) + 0.06),
+        method="bounded",
+        options={"xatol": 1e-10},
+    )
+    c = float(sign * np.exp(res.x))
+    return (c, float(res.fun)) if res.fun <= values[best] else (float(candidates[best]), float(values[best]))
+
+
+@solver(
+    "first_linear",
+    needs="a first Linear layer on the flattened image",
+    mechanism="the first Linear's gradient is rank one and gives the image exactly at batch size 1",
+    batch_reason="at B > 1 the first Linear's gradient mixes the images (rank B: the images' span, not the images)",
+    find=_find_first_linear,
+)
+def solve_first_linear(found: _FirstLinear, job: VictimJob, model: nn.Module) -> Solution:
+    """dL/dW = delta x^T (rank one). With a bias, dL/db = delta fixes x = delta^T dW / |delta|^2. Without
+    one, x = c v (v: the top right singular vector), and the next Linear's gradient, delta2 h^T with
+    h = act(W c v) (dropout zeroing some entries), fixes c: the c whose h is parallel to h on the
+    entries that were kept."""
+    grads, layer = _grads(job, model), found.layer
+    dw = grads[layer.weight]
+    rank = _rank(dw)
+    if layer.bias is not None:
+        db = grads[layer.bias]
+        x = (db @ dw) / (db @ db).clamp_min(1e-300)
+        residual = _relative(dw - torch.outer(db, x), dw)
+        extra: dict[str, Any] = {"scale_from": "bias"}
+    else:
+        _, s, vh = torch.linalg.svd(dw, full_matrices=False)
+        v = vh[0]
+        residual = float(torch.sqrt((s[1:] ** 2).sum()) / torch.sqrt((s**2).sum()))  # best rank-one fit
+        nxt = found.following
+        assert nxt is not None
+        w = torch.linalg.svd(grads[nxt.weight], full_matrices=False)[2][0]  # direction of h, sign unknown
+        kept = w.abs() > EXACT_RTOL * w.abs().max()
+        w_kept = w[kept] / torch.linalg.norm(w[kept])
+        shape = found.input_shape
+
+        def misfit(cs: np.ndarray) -> np.ndarray:  # sin of the angle between act(W c v) and h on kept entries
+            xs = torch.as_tensor(cs, dtype=torch.float64)[:, None] * v[None]
+            h = _layer_inputs(model, nxt.module, xs.float().reshape(-1, *shape))[:, kept]
+            cos = (h @ w_kept).abs() / torch.linalg.norm(h, dim=1).clamp_min(1e-300)
+            return torch.sqrt((1 - cos.clamp(max=1) ** 2).clamp_min(0)).numpy()
+
+        scale, fit = _best_scale(misfit, typical=float(np.sqrt(v.numel())))
+        x = scale * v
+        residual = max(residual, fit)
+        extra = {"scale_from": "next layer", "scale_misfit": fit}
+    images = x.reshape(1, *found.input_shape).float()
+    return Solution(images, rank, 1, residual, extra)
+
+
+# -- (c) the classifier's input features: a constraint, not an image ----------------------------------
+
+
+@dataclass(frozen=True)
+class Features:
+    """The input of the model's last Linear for one job (B = 1), as its gradient gives it."""
+
+    values: Tensor  # (1, features): dropout before the classifier already applied (zeros where dropped)
+    residual: float
+
+
+def find_last_linear(model: nn.Module, input_shape: tuple[int, ...]) -> Layer:
+    layer = last_linear(model, input_shape)
+    if layer is None:
+        raise NotApplicable("the model does not end in a Linear layer")
+    return layer
+
+
+def last_linear_features(layer: Layer, job: VictimJob, model: nn.Module) -> Features:
+    """h from dL/dW = delta h^T (rank one at B = 1): with a bias, h = delta^T dW / |delta|^2; without
+    one, h = c u (u: the top right singular vector) with c such that the cross-entropy's delta for
+    logits W c u (+ b) reproduces dW u = c delta."""
+    if job.plan is not None or job.batch_size != 1:
+        raise NotApplicable("the features follow from a one-step gradient of one image")
+    grads = _grads(job, model)
+    dw = grads[layer.weight]
+    if layer.bias is not None:
+        db = grads[layer.bias]
+        h = (db @ dw) / (db @ db).clamp_min(1e-300)
+        return Features(h[None].float(), _relative(dw - torch.outer(db, h), dw))
+    _, _, vh = torch.linalg.svd(dw, full_matrices=False)
+    u = vh[0]
+    weight = layer.module.weight.detach().double()
+    onehot = F.one_hot(job.labels.long().cpu(), weight.shape[0]).double()[0]
+    r = dw @ u
+
+    def misfit(cs: np.ndarray) -> np.ndarray:
+        c = torch.as_tensor(cs, dtype=torch.float64)[:, None]
+        delta = torch.softmax(c * (weight @ u)[None], dim=1) - onehot[None]
+        return (torch.linalg.norm(r[None] - c * delta, dim=1) / torch.linalg.norm(r)).numpy()
+
+    scale, fit = _best_scale(misfit, typical=float(np.sqrt(u.numel())))
+    h = scale * u
+    return Features(h[None].float(), max(fit, _relative(dw - torch.outer(dw @ u, u), dw)))

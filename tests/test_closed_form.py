@@ -1,0 +1,226 @@
+"""Closed-form attacks (attacker/closed_form): the patch solve of a ViT and the first Linear's rank-one
+solve return the client's images from the gradient alone, exactly where the system has full rank and
+no defense touched it; the classifier's input features are read off its gradient; a solver that does
+not apply says why in one line (the CLI: exit 2, nothing written); the audit runs them first."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from flower_harness import offline_config, set_task_identity
+
+from attacker.attacks import CLOSED_FORMS, attack_names, make_attack
+from attacker.cli import main
+from attacker.closed_form.probe import first_layer, images_from_rows, patch_rows
+from attacker.closed_form.run import SOLVED, SOLVED_INEXACT, ClosedForms
+from attacker.closed_form.solvers import EXACT_RTOL, find_last_linear, last_linear_features
+from attacker.engine.objectives import TermInputs, features_term
+from attacker.jobs import jobs_from_images, model_from_job
+from fedsim.data import box_bounds, get_spec
+from fedsim.models import DropoutMode, ModelSpec, set_dropout_mode, set_masks
+from fedsim.models.own import trust_factory
+
+
+def _victims(spec: ModelSpec, n: int = 2, batch: int = 1, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Valid images (inside the pixel box, in normalized space) and labels: a stand-in for a client's data."""
+    low, high = box_bounds(get_spec(spec.dataset, spec.input_shape[0]))
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        u = torch.rand(batch, *spec.input_shape, generator=gen)
+        out.append((low + u * (high - low), torch.randint(0, spec.num_classes, (batch,), generator=gen)))
+    return out
+
+
+def _solve(spec: ModelSpec, name: str, **kw):
+    jobs, oracles = jobs_from_images(spec, _victims(spec, **kw))
+    forms = ClosedForms()
+    return [(forms.solve(name, job), oracle) for job, oracle in zip(jobs, oracles)]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModelSpec("vit", "cifar10", 0.5, 0, {"dim": 96, "depth": 1, "heads": 2, "dim_head": 8, "mlp_dim": 32}),
+        ModelSpec("vit", "mnist", 0.75, 0, {"dim": 64, "depth": 1, "heads": 2, "dim_head": 8, "mlp_dim": 32}),
+    ],
+    ids=["vit-cifar10-p0.5", "vit-mnist-p0.75"],
+)
+def test_patch_solve_returns_every_patch_of_a_dropout_vit(spec: ModelSpec) -> None:
+    for result, oracle in _solve(spec, "vit_patches"):
+        assert result.status == SOLVED and result.iterations == 0
+        assert result.extras["rank"] == result.extras["unknowns"] == (spec.input_shape[1] // 4) ** 2
+        assert result.extras["relative_residual"] <= EXACT_RTOL
+        assert torch.allclose(result.images, oracle.images, atol=1e-3)
+
+
+def test_patch_solve_finds_timm_position_embeddings_by_structure() -> None:
+    """timm's ViT: a Conv2d patch embedding, its pos_embed (with or without the cls token's row) and
+    register tokens, none of them found by name."""
+    trust_factory("timm:vit_tiny_patch16_224")
+    base = {"img_size": 32, "patch_size": 4, "depth": 1, "embed_dim": 96, "num_heads": 2}
+    for extra in ({}, {"no_embed_class": True}, {"reg_tokens": 2}):
+        spec = ModelSpec("timm:vit_tiny_patch16_224", "cifar10", 0.25, 0, {**base, **extra})
+        for result, oracle in _solve(spec, "vit_patches", n=1):
+            assert result.status == SOLVED, extra
+            # float32 rounding of the client's gradient, through G's conditioning (timm's small init)
+            error = (result.images - oracle.images).abs()
+            assert error.mean() < 1e-3 and error.max() < 2e-2, extra
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias-scale-from-next-layer", "bias"])
+def test_first_linear_solve_returns_the_image_at_batch_size_one(bias: bool) -> None:
+    spec = ModelSpec("mlp", "mnist", 0.75, 0, {"width": 64, "bias": bias})
+    for result, oracle in _solve(spec, "first_linear"):
+        assert result.status == SOLVED and result.extras["rank"] == 1
+        assert result.extras["scale_from"] == ("bias" if bias else "next layer")
+        assert torch.allclose(result.images, oracle.images, atol=1e-3)
+
+
+def test_noise_and_rank_deficiency_are_reported_never_claimed_exact() -> None:
+    spec = ModelSpec("vit", "cifar10", 0.25, 0, {"dim": 96, "depth": 1, "heads": 2, "dim_head": 8, "mlp_dim": 32})
+    (job,), _ = jobs_from_images(spec, _victims(spec, n=1))
+    gen = torch.Generator().manual_seed(1)
+    noisy = replace(job, gradient=[g + 1e-3 * g.std() * torch.randn(g.shape, generator=gen) for g in job.gradient])
+    result = ClosedForms().solve("vit_patches", noisy)
+    assert result.status == SOLVED_INEXACT and result.extras["relative_residual"] > EXACT_RTOL
+    # an embedding narrower than the 64 patches: G has rank 32 < 64, the answer is only a least-squares one
+    narrow = ModelSpec("vit", "cifar10", 0.25, 0, {"dim": 32, "depth": 1, "heads": 2, "dim_head": 8, "mlp_dim": 32})
+    (result, _), *_ = _solve(narrow, "vit_patches", n=1)
+    assert result.status == SOLVED_INEXACT and result.extras["rank"] == 32 and result.extras["unknowns"] == 64
+
+
+def test_a_solver_says_in_one_line_why_it_does_not_apply() -> None:
+    forms = ClosedForms()
+    (cnn,), _ = jobs_from_images(ModelSpec("lenet", "cifar10", 0.25), _victims(ModelSpec("lenet", "cifar10", 0.25), 1))
+    reason = forms.reason("vit_patches", cnn)
+    assert reason.startswith("vit_patches needs a learned position embedding added after a per-patch linear")
+    assert "lenet has none" in reason and "\n" not in reason
+    mlp = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 32})
+    (pair,), _ = jobs_from_images(mlp, _victims(mlp, n=1, batch=2))
+    assert "B = 2" in forms.reason("first_linear", pair)
+    (update,), _ = jobs_from_images(mlp, _victims(mlp, n=1), plan=_plan())
+    assert "update of 2 local steps" in forms.reason("first_linear", update)
+
+
+def _plan():
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    return LocalPlan(Schedule(epochs=2, batch_size=1, order="in-order"), OptimizerSpec("sgd", 0.1))
+
+
+def test_classifier_features_equal_the_clients_own() -> None:
+    """The last Linear's input, as the client computed it (its dropout masks applied), from the gradient."""
+    for spec in (ModelSpec("lenet", "cifar10", 0.5), ModelSpec("mlp", "mnist", 0.5, 0, {"width": 64})):
+        jobs, oracles = jobs_from_images(spec, _victims(spec, n=2))
+        model = model_from_job(jobs[0])
+        layer = find_last_linear(model, spec.input_shape)
+        for job, oracle in zip(jobs, oracles):
+            seen: list[torch.Tensor] = []
+            handle = layer.module.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(a[0].detach()))
+            set_masks(model, [m.float() for m in oracle.masks])
+            set_dropout_mode(model, DropoutMode.LEARN)
+            model(oracle.images)
+            handle.remove()
+            features = last_linear_features(layer, job, model)
+            assert features.residual < 1e-5
+            assert torch.allclose(features.values, seen[0].reshape(1, -1), rtol=1e-3, atol=1e-5), spec.name
+
+
+def test_the_features_term_is_zero_at_the_target_and_pulls_the_dummies() -> None:
+    target = torch.randn(2, 8)
+    dummies = torch.randn(2, 8, requires_grad=True)
+    inputs = TermInputs(None, torch.zeros(2, 1), 2, [], 0.0, features=dummies, target_features=target)  # type: ignore[arg-type]
+    value = features_term(inputs)
+    value.sum().backward()
+    assert value.shape == (2,) and (value > 0).all() and dummies.grad is not None and dummies.grad.abs().sum() > 0
+    at_target = TermInputs(None, torch.zeros(2, 1), 2, [], 0.0, features=target, target_features=target)  # type: ignore[arg-type]
+    assert torch.allclose(features_term(at_target), torch.zeros(2))
+
+
+def test_the_index_probe_maps_patch_rows_back_to_pixels() -> None:
+    model = model_from_job(
+        jobs_from_images(ModelSpec("vit", "mnist", 0.0), _victims(ModelSpec("vit", "mnist", 0.0), 1))[0][0]
+    )
+    layer = first_layer(model, (1, 28, 28))
+    assert layer is not None and layer.tokens == 49
+    x = torch.randn(2, 1, 28, 28)
+    rows = patch_rows(model.patchify(x), layer.module)
+    assert torch.equal(images_from_rows(rows, layer.pixels, (1, 28, 28)), x)
+
+
+def test_attack_names_expand_closed_form_and_make_attack_knows_each_solver() -> None:
+    assert attack_names(["closed_form", "ig", "dia"]) == [*CLOSED_FORMS, "ig_eval", "dia"]
+    assert make_attack("vit_patches").solver == "vit_patches"
+    assert make_attack("vit_patches", max_iterations=10).max_iterations == 20_000  # unused: no optimization
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_cli_runs_closed_forms_into_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    args = ["run", "--model", "mlp", "--dataset", "mnist", "--p", "0.5", "--victims", "2", "--attacks", "closed_form"]
+    code, text = _run([*args, "--no-lpips", "--device", "cpu", "--quiet", "--out", str(out)], capsys)
+    assert code == 0, text
+    rows = json.loads((out / "metrics.json").read_text())
+    assert {r["attack"] for r in rows} == {"first_linear"}
+    assert all(r["status"] == SOLVED and r["iterations"] == 0 and r["rank"] == 1 for r in rows)
+    assert all(r["ssim_paper"] > 0.99 for r in rows)
+    skipped = json.loads((out / "closed_form.json").read_text())["skipped"]
+    assert set(skipped) == {"vit_patches"}
+    assert "first_linear: 2 of 2 jobs exact" in (out / "report.md").read_text()
+
+
+def test_cli_refuses_a_closed_form_that_does_not_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["run", "--model", "lenet", "--dataset", "mnist", "--p", "0.25", "--victims", "1", "--no-lpips"]
+    out = tmp_path / "named"
+    code, text = _run([*base, "--attacks", "vit_patches", "--out", str(out)], capsys)
+    assert code == 2 and "vit_patches needs a learned position embedding" in text and "Traceback" not in text
+    assert not out.exists()
+    out = tmp_path / "group"
+    code, text = _run([*base, "--attacks", "closed_form", "--out", str(out)], capsys)
+    assert code == 2 and "no closed form applies" in text
+    assert "vit_patches needs" in text and "first_linear needs" in text and not out.exists()
+
+
+def test_audit_runs_the_closed_forms_first_and_names_the_mechanism(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An audited two-client round of the MLP with one image per gradient: the first Linear's solve
+    recovers both images, and the verdict says why."""
+    from test_audit import InProcessGrid
+
+    from fedsim.server_app import run_server
+
+    set_task_identity()
+    fed = tmp_path / "fed"
+    cfg = offline_config(
+        {
+            "audit": True,
+            "capture-rounds": "1",
+            "num-server-rounds": 1,
+            "local-steps": 1,
+            "victim-batch-size": 1,
+            "model-options": '{"width": 64}',
+            "run-dir": str(fed),
+        }
+    )
+    run_server(InProcessGrid(), cfg)
+    out = tmp_path / "audit"
+    code, text = _run(
+        ["audit", str(fed), "--attacks", "closed_form", "--no-lpips", "--quiet", "--out", str(out)], capsys
+    )
+    assert code == 0, text
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["attacks"] == ["first_linear"] and set(audit["closed_forms_skipped"]) == {"vit_patches"}
+    assert audit["summary"]["recognisable"] == audit["summary"]["images"] == 2
+    assert "rank one and gives the image exactly" in audit["verdict"]
+    assert "Skipped: vit_patches needs" in (out / "audit.md").read_text()
