@@ -28,3 +28,5 @@ run timm_vit timm:vit_tiny_patch16_224 '{"img_size": 32, "patch_size": 4, "depth
 run vit vit '{}'
 run tv_squeezenet torchvision.models:squeezenet1_1 '{"dropout": 0.25}'
 run lenet lenet '{}'
+# nn.Hardsigmoid squeeze-excite gates (replaced by their exact twice-differentiable equivalent); no project twin
+run timm_mobilenetv3 timm:mobilenetv3_small_050 '{}'

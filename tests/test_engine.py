@@ -30,10 +30,17 @@ def _fit(module, max_epochs=1, callbacks=(), ckpt_path=None):
 
 
 @pytest.mark.parametrize(
-    "name,dataset", [("mlp", "mnist"), ("vit", "mnist"), ("lenet", "mnist"), ("resnet18", "cifar10")]
+    "name,dataset,options",
+    [
+        ("mlp", "mnist", {}),
+        ("vit", "mnist", {"depth": 1}),
+        ("lenet", "mnist", {}),
+        ("resnet18", "cifar10", {}),
+        ("resnet18", "cifar10", {"stem": "cifar"}),  # 3x3 stride-1 conv1, no max-pool
+    ],
 )
-def test_per_job_terms_equal_autograd(name, dataset):
-    model = build_model(name, dataset, 0.25, seed=0, **({"depth": 1} if name == "vit" else {}))
+def test_per_job_terms_equal_autograd(name, dataset, options):
+    model = build_model(name, dataset, 0.25, seed=0, **options)
     for p in model.parameters():
         p.requires_grad_(False)
     V, B = 3, 2

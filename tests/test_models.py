@@ -93,7 +93,8 @@ def test_model_details_follow_protocol():
         (dict(name="mlp", dataset="mnist", p=0.1, heads=3), "unknown option"),
         (dict(name="vit_b16", dataset="mnist", p=0.1), "224x224"),
         (dict(name="vit", dataset="mnist", p=0.1, patch_size=5), "does not divide"),
-        (dict(name="resnet18", dataset="mnist", p=0.1, norm="layer"), "unknown norm"),
+        (dict(name="resnet18", dataset="mnist", p=0.1, norm="layer"), "model option norm of resnet18 must be one of"),
+        (dict(name="resnet18", dataset="cifar10", p=0.1, stem="tiny"), "model option stem of resnet18 must be one of"),
     ],
 )
 def test_bad_specs_give_clear_errors(kwargs, match):
@@ -160,3 +161,68 @@ def test_a_model_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path, c
     rows = json.loads((out / "metrics.json").read_text())
     assert [r["model"] for r in rows] == ["toy", "toy"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["group000", "group001"]  # its cap: 1 job a group
+
+
+# -- the ResNet-18's stem (model option ``stem``) ------------------------------------------------------
+
+
+def _layer1_size(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    seen = []
+    handle = model.layer1.register_forward_hook(lambda _m, _a, out: seen.append(tuple(out.shape[-2:])))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_resnet_cifar_stem_keeps_the_image_size_to_layer1(norm: str) -> None:
+    cifar = build_model("resnet18", "cifar10", 0.25, norm=norm, stem="cifar").eval()
+    imagenet = build_model("resnet18", "cifar10", 0.25, norm=norm, stem="imagenet").eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert cifar(x).shape == imagenet(x).shape == (2, 10)
+    assert _layer1_size(cifar, x) == (32, 32)
+    assert _layer1_size(imagenet, x) == (8, 8)  # 7x7 stride-2 conv, then the stride-2 max-pool
+    conv1 = cifar.conv1
+    assert (conv1.kernel_size, conv1.stride, conv1.padding, conv1.bias) == ((3, 3), (1, 1), (1, 1), None)
+    assert isinstance(cifar.maxpool, torch.nn.Identity)
+    # same layers otherwise: only conv1's weight changes shape, and the dropout masks stay one before fc
+    shapes = {k: v.shape for k, v in imagenet.state_dict().items()}
+    assert {k: v.shape for k, v in cifar.state_dict().items()} == {**shapes, "conv1.weight": (64, 3, 3, 3)}
+    assert mask_shapes(cifar, x) == mask_shapes(imagenet, x)
+    mnist = build_model("resnet18", "mnist", 0.25, norm=norm, stem="cifar").eval()
+    assert mnist(torch.randn(2, *mnist.spec.input_shape)).shape == (2, 10)
+
+
+def test_resnet_default_stem_is_unchanged() -> None:
+    """The default is still torchvision's ImageNet ResNet-18 as built before the option: the same
+    parameters at seed 0 as torchvision's resnet18 built directly under that seed."""
+    from functools import partial
+
+    from torchvision.models import resnet18
+
+    default = build_model("resnet18", "cifar10", 0.25, seed=0)
+    named = build_model("resnet18", "cifar10", 0.25, seed=0, stem="imagenet")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = resnet18(weights=None, num_classes=10, norm_layer=partial(torch.nn.GroupNorm, 2))
+    ref = {k.replace("fc.", "fc.1."): v for k, v in reference.state_dict().items()}  # fc sits after the dropout
+    for model in (default, named):
+        got = model.state_dict()
+        assert list(got) == list(ref)
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert default.conv1.kernel_size == (7, 7) and isinstance(default.maxpool, torch.nn.MaxPool2d)
+
+
+def test_a_bad_stem_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:
+    from attacker.cli import main as attacker_main
+
+    out = tmp_path / "run"
+    args = ["run", "--model", "resnet18", "--dataset", "cifar10", "--p", "0.25", "--victims", "1"]
+    code = attacker_main([*args, "--model-options", '{"stem": "tiny"}', "--quiet", "--out", str(out)])
+    text = capsys.readouterr()
+    text = text.out + text.err
+    assert code == 2, text
+    assert "model option stem of resnet18 must be one of ('imagenet', 'cifar'), got 'tiny'" in text
+    assert len(text.strip().splitlines()) == 1 and not out.exists()

@@ -32,7 +32,7 @@ from fedsim.models import (
     set_dropout_mode,
     set_masks,
 )
-from fedsim.models.own import CALLABLE_KEY, TIMM_KEY, TRUSTED_FACTORIES_ENV
+from fedsim.models.own import CALLABLE_KEY, TIMM_KEY, TRUSTED_FACTORIES_ENV, TWICE_DIFFERENTIABLE, ExactActivation
 
 from .conftest import ROOT
 
@@ -43,6 +43,8 @@ CASES = {
     "timm_resnet18": ("timm:resnet18", {}, True),  # BatchNorm (eval mode), functional head dropout
     "timm_vit": ("timm:vit_tiny_patch16_224", {"img_size": 32, "patch_size": 4, "depth": 2}, True),
     "torchvision_squeezenet": ("torchvision.models:squeezenet1_1", {"dropout": 0.25}, True),
+    # nn.Hardsigmoid in its squeeze-excite gates (swapped for its exact equivalent), BatchNorm, head F.dropout
+    "timm_mobilenetv3": ("timm:mobilenetv3_small_050", {}, True),
 }
 
 
@@ -51,7 +53,7 @@ def _trusted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The factories these tests build directly count as named by the user (fedsim.models.own); the
     variable is restored after each test, whatever a CLI call added to it."""
     names = [CNN, "torchvision.models:squeezenet1_1", "tests.test_own_models:OutOfOrder"]
-    names += ["tests.test_own_models:InPlaceConv"]
+    names += ["tests.test_own_models:InPlaceConv", "tests.test_own_models:FunctionalHardsigmoid"]
     monkeypatch.setenv(TRUSTED_FACTORIES_ENV, ",".join(names))
 
 
@@ -139,6 +141,20 @@ class OutOfOrder(nn.Module):
         return self.fc(self.drop_late(F.relu(self.hidden(x))))  # 6 features
 
 
+class FunctionalHardsigmoid(nn.Module):
+    """Calls F.hardsigmoid in its forward, once in place: routed to the exact equivalent while it runs."""
+
+    def __init__(self, num_classes: int = 10, p: float = 0.25) -> None:
+        super().__init__()
+        self.conv, self.drop, self.fc = nn.Conv2d(3, 4, 3, stride=4), nn.Dropout(p), nn.Linear(4, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        h = h * F.hardsigmoid(h)
+        F.hardsigmoid(h, inplace=True)
+        return self.fc(self.drop(h.mean((2, 3))))
+
+
 # -- resolving and building -------------------------------------------------------------------------
 
 
@@ -203,6 +219,99 @@ def test_the_factory_gets_the_runs_values_it_names() -> None:
     assert model.net[0].in_channels == 1 and model.net[0].out_channels == 4
     assert model(torch.zeros(1, 1, 28, 28)).shape == (1, 10)
     assert dropout_layers(model)[0].p == 0.5
+
+
+# -- activations torch cannot differentiate twice --------------------------------------------------
+
+
+def _second_order_error(act: nn.Module | object) -> str | None:
+    """The error of differentiating a gradient through ``act`` a second time, or None."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 3, 3, generator=g).mul(3).requires_grad_(True)
+    w = torch.randn(4, 1, 1, generator=g).requires_grad_(True)
+    try:
+        (gw,) = torch.autograd.grad(act(x * w).sum(), w, create_graph=True)
+        torch.autograd.grad(gw.pow(2).sum(), x)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def _kinked_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """Random values over the activations' range, their kinks (-3, 0, 3, +-6) and each kink's float neighbours."""
+    kinks = torch.tensor([-6.0, -3.0, 0.0, 3.0, 6.0], dtype=dtype)
+    near = torch.cat([torch.nextafter(kinks, kinks + 1), torch.nextafter(kinks, kinks - 1)])
+    rand = torch.randn(20000, generator=torch.Generator().manual_seed(0), dtype=dtype) * 4
+    return torch.cat([rand, kinks, near])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("activation", list(TWICE_DIFFERENTIABLE), ids=lambda c: c.__name__)
+def test_each_replacement_is_the_activation_exactly(activation: type[nn.Module], dtype: torch.dtype) -> None:
+    """Same values bit for bit, the same first gradient (non-zero at the same inputs; its value 1/6 of
+    the incoming one, which torch takes times its float 1/6: equal for a unit incoming gradient in
+    float32, within rounding otherwise), for the module and each functional spelling, kinks included."""
+    exact = TWICE_DIFFERENTIABLE[activation]
+    x = _kinked_inputs(dtype)
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    for original in [activation(), *exact.functional]:
+        for incoming in (torch.ones_like(x), upstream):
+            xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            ya, yb = original(xa), exact.function(xb)
+            assert torch.equal(ya, yb)
+            (ga,) = torch.autograd.grad(ya, xa, incoming)
+            (gb,) = torch.autograd.grad(yb, xb, incoming)
+            assert torch.equal(ga != 0, gb != 0)
+            if dtype == torch.float32 and incoming is not upstream:
+                assert torch.equal(ga, gb)
+            torch.testing.assert_close(ga, gb, rtol=1e-6 if dtype == torch.float32 else 1e-7, atol=0)
+    # why the entry is there, and that its replacement mends it
+    assert "not implemented" in (_second_order_error(activation()) or "")
+    assert _second_order_error(ExactActivation(exact.function, activation.__name__)) is None
+
+
+def test_the_table_holds_only_what_torch_cannot_differentiate_twice() -> None:
+    from timm.layers import activations, activations_me
+
+    for act in (nn.Hardswish, activations.HardSigmoid, activations.HardSwish):
+        assert act not in TWICE_DIFFERENTIABLE and _second_order_error(act()) is None
+    for act in (activations_me.HardSigmoidMe, activations_me.HardSwishMe):
+        assert act not in TWICE_DIFFERENTIABLE and _second_order_error(act()) is None
+
+
+def test_timm_mobilenetv3_builds_with_its_gates_replaced_and_passes_the_model_check() -> None:
+    import timm
+
+    from fedsim.models.own import check_timm
+
+    model = _build("timm_mobilenetv3")
+    assert not any(isinstance(m, nn.Hardsigmoid) for m in model.modules())
+    gates = [m for name, m in model.net.named_modules() if name.endswith(".se.gate")]
+    assert len(gates) == 9 and all(isinstance(m, ExactActivation) for m in gates)
+    assert check_timm(model.spec) is None  # the second-order check passes
+    # the same model as timm builds it, and the same outputs bit for bit (eval mode: no dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10, drop_rate=0.25)
+    assert all(torch.equal(a, b) for a, b in zip(model.net.state_dict().values(), reference.state_dict().values()))
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.eval()(x), reference.eval()(x))
+
+
+def test_functional_hardsigmoid_in_forward_is_routed() -> None:
+    from fedsim.models.own import _second_order_problem, check_callable
+
+    name = "tests.test_own_models:FunctionalHardsigmoid"
+    model = build_model(name, "cifar10", 0.25)
+    assert model.exact_calls and check_callable(model.spec) is None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = FunctionalHardsigmoid()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.eval()(x), reference.eval()(x))  # the in-place call too
+    assert _second_order_problem(model, model.spec) is None
+    model.exact_calls = False  # not routed: torch's own hardsigmoid, which the check refuses
+    assert "hardsigmoid_backward is not implemented" in (_second_order_problem(model, model.spec) or "")
 
 
 # -- the engine's per-job terms against plain autograd ------------------------------------------------

@@ -12,7 +12,7 @@ What ``adapt`` does to the model, once per build:
   left as it is (timm reads ``attn_drop.p``, so it cannot be removed);
 * functional dropout in ``forward`` (``F.dropout`` or ``torch.dropout``; timm's ResNet head calls
   ``F.dropout`` when ``drop_rate`` > 0) is routed, call by call, to a ``MaskedDropout`` of its own
-  while the model runs (``_FunctionalDropout``);
+  while the model runs (``_FunctionalCalls``);
 * stochastic depth (timm's ``DropPath``, which ``drop_path_rate`` puts in the residual blocks, and
   torchvision's ``StochasticDepth`` in "row" mode) becomes a ``MaskedDropPath`` of the same rate: a
   second mask, one keep-or-drop per image (shape (B, 1, ..., 1)), sampled and recorded by the client,
@@ -25,6 +25,11 @@ What ``adapt`` does to the model, once per build:
   edit of a kept input or output (``x = self.conv(x); x += 1``, ``relu_``) is the engine's to handle:
   it finds it by the tensor's version, copies that layer's input or output and runs the pass again
   (attacker/engine/gradients.py), so it is not refused here;
+* every activation whose derivative torch cannot differentiate (``nn.Hardsigmoid``: the attack
+  differentiates the gradient a second time) becomes an exact equivalent built from ops it can
+  (``TWICE_DIFFERENTIABLE``, one entry per activation): its modules are swapped for an
+  ``ExactActivation``, and its functional calls in ``forward`` (``F.hardsigmoid``) are routed to the
+  same function while the model runs (``_FunctionalCalls``);
 * BatchNorm runs as the client runs it, chosen by the model option ``batchnorm_mode``
   (``BATCHNORM_OPTION``, never passed to the factory): "eval" (the default) keeps it in eval mode in
   the clients' training and in the attack alike, an affine map of each image with the running
@@ -156,6 +161,60 @@ _RANDOM = {
     Tensor.random_,
     Tensor.multinomial,
 }
+
+
+def hardsigmoid(x: Tensor) -> Tensor:
+    """``F.hardsigmoid``, the same function built from ops with a second derivative (torch's
+    ``hardsigmoid_backward`` has none). Clamped at x, not at x + 3 as relu6(x + 3) / 6 is: the same
+    value bit for bit, and the gradient non-zero exactly where torch's is (x in (-3, 3); just below
+    3, x + 3 rounds to 6). The gradient's value is 1/6 times the incoming one: torch multiplies by
+    its float 1/6, so the two can differ in the last bit (and in float64 torch's is only float-accurate)."""
+    return (F.hardtanh(x, -3.0, 3.0) + 3.0) / 6.0
+
+
+@dataclass(frozen=True)
+class Exact:
+    """An activation's twice-differentiable exact equivalent: ``function(x)``, and the activation's
+    functional spellings that are routed to it while the model runs (a call's ``inplace=True`` too)."""
+
+    function: Callable[[Tensor], Tensor]
+    functional: tuple[Callable[..., Tensor], ...] = ()
+
+
+# The activations torch cannot differentiate twice, by module class, with their exact equivalent;
+# adding one is one entry. nn.Hardswish is not one (torch has hardswish_backward's derivative), nor
+# are timm's own HardSigmoid / HardSwish (relu6-based) and their *Me variants (their backward is made
+# of differentiable ops): tests/test_own_models.py checks each of those and each entry.
+TWICE_DIFFERENTIABLE: dict[type[nn.Module], Exact] = {
+    nn.Hardsigmoid: Exact(hardsigmoid, functional=(F.hardsigmoid,)),
+}
+_EXACT_CALLS: dict[Any, Callable[[Tensor], Tensor]] = {
+    f: exact.function for exact in TWICE_DIFFERENTIABLE.values() for f in exact.functional
+}
+
+
+class ExactActivation(nn.Module):
+    """The module put in place of an activation of ``TWICE_DIFFERENTIABLE``: its exact equivalent."""
+
+    def __init__(self, function: Callable[[Tensor], Tensor], replaces: str) -> None:
+        super().__init__()
+        self.function, self.replaces = function, replaces
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.function(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.function.__name__}, in place of {self.replaces}"
+
+
+def _exact_call(func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """A functional activation call of ``_EXACT_CALLS`` run by its exact equivalent."""
+    x = _arg(args, kwargs, "input", 0, None)
+    inplace = bool(_arg(args, kwargs, "inplace", 1, False))
+    if not inplace:
+        return _EXACT_CALLS[func](x)
+    # The equivalent keeps its input for the backward pass: give it a copy, then write x in place as the call would.
+    return x.copy_(_EXACT_CALLS[func](x.clone()))
 
 
 def own_model_key(name: str) -> str | None:
@@ -332,15 +391,16 @@ def _run_slot(slot: MaskedDropout, x: Tensor, training: bool) -> Tensor:
         slot.mode = DropoutMode.AUTO
 
 
-class _FunctionalDropout(TorchFunctionMode):
-    """Routes one forward pass's functional dropout calls, in call order, to the model's slots.
+class _FunctionalCalls(TorchFunctionMode):
+    """Routes one forward pass's functional dropout calls, in call order, to the model's slots, and
+    the functional activation calls of ``_EXACT_CALLS`` to their exact equivalents.
 
     Why a torch function mode and not a patched ``F.dropout``: it sees every spelling (``F.dropout``,
     ``torch.dropout``, a name imported from ``torch.nn.functional`` before any patch), holds only for
     this thread and this ``with`` block (a patched module attribute would change every model in the
     process, the Ray worker's other clients included), and it composes with ``functional_call`` and
     autograd. Its cost, a Python call per torch op of the pass, is about 2% of a ResNet-18 forward on
-    CPU (measured), and only models with functional dropout pay it."""
+    CPU (measured), and only models with functional dropout or such an activation call pay it."""
 
     def __init__(self, slots: list[MaskedDropout]) -> None:
         super().__init__()
@@ -348,6 +408,8 @@ class _FunctionalDropout(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _EXACT_CALLS:
+            return _exact_call(func, args, kwargs)
         if func not in _DROPOUT_ARGS:
             return func(*args, **kwargs)
         x, p, training, _ = _dropout_call(func, args, kwargs)
@@ -378,16 +440,23 @@ class OwnModel(nn.Module):
     ``modules()`` yields a module once, at its first place, so ``dropout_layers`` (which lists the
     layers in ``modules()`` order) gives the forward order even where ``net`` registers its layers in
     another order. The swapped ``nn.Dropout`` layers also sit at their own places in ``net``; the
-    functional slots (``functional``: their indices in ``dropout``) live here only."""
+    functional slots (``functional``: their indices in ``dropout``) live here only. ``exact_calls``:
+    its forward calls an activation of ``_EXACT_CALLS`` functionally, which is routed while it runs."""
 
     def __init__(
-        self, net: nn.Module, layers: list[MaskedDropout], functional: list[int], pin_batchnorm: bool = True
+        self,
+        net: nn.Module,
+        layers: list[MaskedDropout],
+        functional: list[int],
+        pin_batchnorm: bool = True,
+        exact_calls: bool = False,
     ) -> None:
         super().__init__()
         self.dropout = nn.ModuleList(layers)
         self.net = net
         self.functional = list(functional)
         self.pin_batchnorm = pin_batchnorm
+        self.exact_calls = exact_calls
         self.train()
 
     def train(self, mode: bool = True) -> OwnModel:
@@ -399,10 +468,10 @@ class OwnModel(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.functional:
+        if not self.functional and not self.exact_calls:
             return self.net(x)
         slots: list[MaskedDropout] = [self.dropout[i] for i in self.functional]  # type: ignore[misc]
-        with _FunctionalDropout(slots):
+        with _FunctionalCalls(slots):
             return self.net(x)
 
 
@@ -441,9 +510,13 @@ class _Probe(TorchFunctionMode):
         super().__init__()
         self.name, self.p, self.events, self.where = spec.name, spec.p, events, where
         self.train_batchnorm = batchnorm_mode(spec) == "train"
+        self.exact_calls = False  # the forward calls an activation of _EXACT_CALLS functionally
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _EXACT_CALLS:
+            self.exact_calls = True
+            return _exact_call(func, args, kwargs)
         if func in _DROPOUT_ARGS:
             x, p, _, inplace = _dropout_call(func, args, kwargs)
             if p == 0:
@@ -537,7 +610,22 @@ def _swap_drop_path(net: nn.Module, spec: ModelSpec) -> list[_Swap]:
     return list(swaps.values())
 
 
+def _swap_activations(net: nn.Module) -> None:
+    """Every module of a ``TWICE_DIFFERENTIABLE`` class (that class exactly: a subclass may have a
+    forward of its own) replaced by an ``ExactActivation`` (a module at several places: one for all)."""
+    swapped: dict[int, ExactActivation] = {}
+    for parent in list(net.modules()):
+        for key, child in list(parent.named_children()):
+            exact = TWICE_DIFFERENTIABLE.get(type(child))
+            if exact is None:
+                continue
+            if id(child) not in swapped:
+                swapped[id(child)] = ExactActivation(exact.function, type(child).__name__)
+            setattr(parent, key, swapped[id(child)])
+
+
 def _attack_ready(net: nn.Module) -> None:
+    _swap_activations(net)  # the attack differentiates the gradient a second time
     for module in net.modules():
         if isinstance(getattr(module, "inplace", None), bool):
             module.inplace = False  # nn.ReLU(inplace=True) and kin: the attack keeps what they would overwrite
@@ -545,9 +633,12 @@ def _attack_ready(net: nn.Module) -> None:
             module.fused_attn = False  # timm's attention: the fused kernel has no second derivative
 
 
-def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], classes: int) -> list:
+def _probe(
+    net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], classes: int
+) -> tuple[list[MaskedDropout | str], bool]:
     """One forward pass of 2 zero images in train mode with dropout off: the dropout layers and
-    functional calls in the order they ran (``MaskedDropout`` / the calling layer's name)."""
+    functional calls in the order they ran (``MaskedDropout`` / the calling layer's name), and whether
+    it called an activation of ``_EXACT_CALLS`` functionally."""
     events: list[MaskedDropout | str] = []
     running: list[str] = []  # the layers running now, innermost last, to name where a problem is
     handles = []
@@ -570,8 +661,9 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
         return f"layer {inner} ({type(net.get_submodule(inner)).__name__})" if inner else "its forward"
 
     buffers = {name: b.clone() for name, b in net.named_buffers()}  # train-mode BatchNorm would update them
+    probe = _Probe(spec, events, where)
     try:
-        with torch.no_grad(), dropout_mode(net, DropoutMode.OFF), _Probe(spec, events, where):
+        with torch.no_grad(), dropout_mode(net, DropoutMode.OFF), probe:
             out = net(torch.zeros(2, *input_shape))
     except ModelSpecError:
         raise
@@ -595,7 +687,7 @@ def _probe(net: nn.Module, spec: ModelSpec, input_shape: tuple[int, int, int], c
             f"model {spec.name} returns {got} for 2 images, not (2, {classes}): {spec.dataset} has {classes} "
             "classes and the model must return their logits as one tensor"
         )
-    return events
+    return events, probe.exact_calls
 
 
 def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes: int) -> OwnModel:
@@ -608,7 +700,7 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
     net.train()
     if pin:
         _pin_batchnorm(net)
-    events = _probe(net, spec, input_shape, classes)
+    events, exact_calls = _probe(net, spec, input_shape, classes)
     names = {id(m): n for n, m in net.named_modules()}
     runs: dict[int, int] = {}
     for event in events:
@@ -638,7 +730,7 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
             f"model {spec.name} runs no dropout (nn.Dropout or F.dropout with p > 0) although p = {spec.p}: give "
             "it dropout at the run's rate (a factory gets it as its p, drop_rate or dropout argument), or use p = 0"
         )
-    return OwnModel(net, layers, functional, pin_batchnorm=pin)
+    return OwnModel(net, layers, functional, pin_batchnorm=pin, exact_calls=exact_calls)
 
 
 # -- the check: everything above, and a second-order gradient, once per spec and process ---------------

@@ -18,7 +18,7 @@ from . import own
 from .errors import ModelSpecError
 from .lenet import LeNet
 from .mlp import MLP
-from .resnet import build_resnet18
+from .resnet import NORMS, STEMS, build_resnet18
 from .vit import ViT
 
 # (channels, image size, classes) per dataset, as the models see it.
@@ -84,6 +84,8 @@ class ModelFamily:
     construct: Callable[[ModelSpec, int, int, int, dict[str, Any]], nn.Module]
     # The options it accepts; None: any, the model's own constructor judges them (own models).
     options: frozenset[str] | None = frozenset()
+    # The values an option may take, where they are a fixed set: another value is a one-line error.
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     # The paper feeds MNIST to the CNNs as 3-channel images (its Parameters check; tests/test_models.py).
     three_channel: bool = False
     check: Callable[[ModelSpec], str | None] | None = None  # why a spec cannot be built, or None
@@ -135,7 +137,8 @@ MODELS: dict[str, ModelFamily] = {
         ModelFamily(
             "resnet18",
             lambda spec, c, size, classes, opts: build_resnet18(classes, spec.p, **opts),
-            frozenset({"norm"}),
+            frozenset({"norm", "stem"}),
+            choices={"norm": NORMS, "stem": STEMS},
             three_channel=True,
             attack_family="resnet",
             group_caps={"cpu": 16, "gpu": 64},
@@ -168,6 +171,11 @@ def validate_spec(spec: ModelSpec) -> None:
         raise ModelSpecError(
             f"unknown option(s) {sorted(unknown)} for model {spec.name!r}; allowed: {sorted(family.options or ())}"
         )
+    for key, allowed in family.choices.items():
+        if key in spec.options and spec.options[key] not in allowed:
+            raise ModelSpecError(
+                f"model option {key} of {spec.name} must be one of {allowed}, got {spec.options[key]!r}"
+            )
     problem = family.check(spec) if family.check is not None else None
     if problem:
         raise ModelSpecError(problem)
