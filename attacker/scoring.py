@@ -53,6 +53,8 @@ def score_results(
                 row[key] = entry["mean"] if entry else None
             row["matched"] = scored["matched"]
             row["iters_to_ssim90"] = iterations_to(res.ssim_curve) if res.ssim_curve else None
+            if "exact" in res.extras:  # a closed form: its answer is there at iteration 0, or never
+                row["iters_to_ssim90"] = 0 if row["ssim_paper"] is not None and row["ssim_paper"] >= 0.9 else None
             key = _key(oracle.images)
             if key in priors and key not in prior_ssim:  # once per victim batch, not once per attack on it
                 prior_ssim[key] = prior_score(oracle.images, priors[key], spec.mean, spec.std)

@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 from fedsim.atomic import atomic_write
 
+from ..attacks import CLOSED_FORM_GROUP, CLOSED_FORMS
 from ..curves import time_to
 from ..report import SUMMARY_KEYS, csv_text, figure_png, fmt_mean_std
 from .frontier import defense_fields, epsilon_text, frontier_figure, level_text
@@ -77,6 +78,15 @@ def time_to_paper(run_dir: Path, attack: str, metrics: list[dict], target: float
     return time_to(list(points.values()), target, per_iteration)
 
 
+def _cell_attacks(names: list[str], summary: dict[str, Any]) -> list[str]:
+    """The attacks a cell's rows show: ``closed_form`` as the solvers it ran (one row each) once the
+    cell has results, as itself before."""
+    if CLOSED_FORM_GROUP not in names or not summary:
+        return list(names)
+    ran = [a for a in CLOSED_FORMS if a in summary and a not in names]
+    return [x for a in names for x in (ran if a == CLOSED_FORM_GROUP else [a])]
+
+
 def collect_rows(
     experiments: list[Experiment], selected: list[tuple[Experiment, Cell]], out: Path, settings: Settings
 ) -> list[dict[str, Any]]:
@@ -97,7 +107,7 @@ def collect_rows(
             metrics = _load_json(run_dir / "metrics.json") or [] if state == "finished" else []
             acc = _accuracy(out, cell, settings) if exp.accuracy is not None and "accuracy" in cell.paper else None
             defense = defense_fields(out, cell)
-            for attack in cell.attacks:
+            for attack in _cell_attacks(cell.attacks, summary):
                 e = summary.get(attack, {})
                 row: dict[str, Any] = {
                     "experiment": exp.name,
