@@ -23,7 +23,7 @@ from scipy.optimize import minimize_scalar
 from torch import Tensor, nn
 
 from ..jobs import VictimJob
-from .probe import Layer, evaluating, first_layer, images_from_rows, last_linear, position_embedding
+from .probe import Layer, _Stop, evaluating, first_layer, images_from_rows, last_linear, position_embedding
 
 # A solve claims "exact" only where the linear system it solved holds to this relative residual
 # (float32 rounding of the client's own gradient is about 1e-7); pruning or noise leave more.
@@ -81,6 +81,36 @@ def _rank(matrix: Tensor) -> int:
     """Numerical rank at the exactness tolerance (singular values above EXACT_RTOL of the largest)."""
     s = torch.linalg.svdvals(matrix)
     return int((s > EXACT_RTOL * s[0]).sum()) if s.numel() and s[0] > 0 else 0
+
+
+@dataclass(frozen=True)
+class _RankOne:
+    """The best rank-one fit s u v^T of a matrix, its numerical rank and the fit's relative residual."""
+
+    v: Tensor  # top right singular vector (unit)
+    rank: int
+    residual: float
+
+
+def _rank_one(matrix: Tensor) -> _RankOne:
+    """Through the Gram matrix of the smaller side (an eigendecomposition of 512x512 rather than an SVD
+    of 512x3072: seconds to milliseconds here); the residual is computed on the matrix itself."""
+    wide = matrix.shape[0] <= matrix.shape[1]
+    gram = matrix @ matrix.T if wide else matrix.T @ matrix
+    values, vectors = torch.linalg.eigh(gram)  # ascending
+    top = vectors[:, -1]
+    if wide:
+        v = matrix.T @ top
+        v = v / torch.linalg.norm(v).clamp_min(1e-300)
+        u = top
+    else:
+        v = top
+        u = matrix @ v
+        u = u / torch.linalg.norm(u).clamp_min(1e-300)
+    fit = torch.outer(u, matrix.T @ u) if wide else torch.outer(matrix @ v, v)
+    lam = values.clamp_min(0)
+    rank = int((lam > (EXACT_RTOL**2) * lam[-1]).sum()) if lam[-1] > 0 else 0
+    return _RankOne(v, rank, _relative(matrix - fit, matrix))
 
 
 def _relative(residual: Tensor, target: Tensor) -> float:
@@ -178,12 +208,19 @@ def _second_linear(model: nn.Module, first: Layer, input_shape: tuple[int, ...])
 
 
 def _layer_inputs(model: nn.Module, module: nn.Module, x: Tensor) -> Tensor:
-    """The input ``module`` receives when the model runs ``x`` (dropout off)."""
+    """The input ``module`` receives when the model runs ``x`` (dropout off); the pass stops there."""
     seen: list[Tensor] = []
-    handle = module.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+
+    def keep(m: nn.Module, args: tuple) -> None:
+        seen.append(args[0].detach())
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(keep)
     try:
         with torch.no_grad(), evaluating(model):
             model(x)
+    except _Stop:
+        pass
     finally:
         handle.remove()
     return seen[0].reshape(x.shape[0], -1).double()
@@ -221,19 +258,18 @@ def solve_first_linear(found: _FirstLinear, job: VictimJob, model: nn.Module) ->
     entries that were kept."""
     grads, layer = _grads(job, model), found.layer
     dw = grads[layer.weight]
-    rank = _rank(dw)
+    fit = _rank_one(dw)
+    rank = fit.rank
     if layer.bias is not None:
         db = grads[layer.bias]
         x = (db @ dw) / (db @ db).clamp_min(1e-300)
         residual = _relative(dw - torch.outer(db, x), dw)
         extra: dict[str, Any] = {"scale_from": "bias"}
     else:
-        _, s, vh = torch.linalg.svd(dw, full_matrices=False)
-        v = vh[0]
-        residual = float(torch.sqrt((s[1:] ** 2).sum()) / torch.sqrt((s**2).sum()))  # best rank-one fit
+        v, residual = fit.v, fit.residual  # x = c v; the residual of the best rank-one fit
         nxt = found.following
         assert nxt is not None
-        w = torch.linalg.svd(grads[nxt.weight], full_matrices=False)[2][0]  # direction of h, sign unknown
+        w = _rank_one(grads[nxt.weight]).v  # direction of h, sign unknown
         kept = w.abs() > EXACT_RTOL * w.abs().max()
         w_kept = w[kept] / torch.linalg.norm(w[kept])
         shape = found.input_shape
@@ -244,10 +280,10 @@ def solve_first_linear(found: _FirstLinear, job: VictimJob, model: nn.Module) ->
             cos = (h @ w_kept).abs() / torch.linalg.norm(h, dim=1).clamp_min(1e-300)
             return torch.sqrt((1 - cos.clamp(max=1) ** 2).clamp_min(0)).numpy()
 
-        scale, fit = _best_scale(misfit, typical=float(np.sqrt(v.numel())))
+        scale, misfit_at = _best_scale(misfit, typical=float(np.sqrt(v.numel())))
         x = scale * v
-        residual = max(residual, fit)
-        extra = {"scale_from": "next layer", "scale_misfit": fit}
+        residual = max(residual, misfit_at)
+        extra = {"scale_from": "next layer", "scale_misfit": misfit_at}
     images = x.reshape(1, *found.input_shape).float()
     return Solution(images, rank, 1, residual, extra)
 
@@ -282,8 +318,7 @@ def last_linear_features(layer: Layer, job: VictimJob, model: nn.Module) -> Feat
         db = grads[layer.bias]
         h = (db @ dw) / (db @ db).clamp_min(1e-300)
         return Features(h[None].float(), _relative(dw - torch.outer(db, h), dw))
-    _, _, vh = torch.linalg.svd(dw, full_matrices=False)
-    u = vh[0]
+    u = _rank_one(dw).v
     weight = layer.module.weight.detach().double()
     onehot = F.one_hot(job.labels.long().cpu(), weight.shape[0]).double()[0]
     r = dw @ u
@@ -293,6 +328,6 @@ def last_linear_features(layer: Layer, job: VictimJob, model: nn.Module) -> Feat
         delta = torch.softmax(c * (weight @ u)[None], dim=1) - onehot[None]
         return (torch.linalg.norm(r[None] - c * delta, dim=1) / torch.linalg.norm(r)).numpy()
 
-    scale, fit = _best_scale(misfit, typical=float(np.sqrt(u.numel())))
+    scale, misfit_at = _best_scale(misfit, typical=float(np.sqrt(u.numel())))
     h = scale * u
-    return Features(h[None].float(), max(fit, _relative(dw - torch.outer(dw @ u, u), dw)))
+    return Features(h[None].float(), max(misfit_at, _relative(dw - torch.outer(dw @ u, u), dw)))
