@@ -187,7 +187,7 @@ def _run_sequential(
         log(f"[bold cyan]{head}[/bold cyan]{resume}: {cell.label()}, {', '.join(cell.attacks)}{eta}")
         (run_dir / "failed.txt").unlink(missing_ok=True)
         try:
-            if settings.victim_source == "federated" or cell.federation:
+            if cell.federated(settings):
                 capture_federation(configs[cell.key], settings, log, cell.federation)
             run_attack(configs[cell.key], run_dir, progress=settings.progress, log=lambda m: log(f"  {m}"))
         except KeyboardInterrupt:
@@ -226,7 +226,7 @@ def _run_on_ray(
     if not todo:
         return {"skipped": skipped}
     for cell, cfg, _ in todo:
-        if settings.victim_source == "federated" or cell.federation:
+        if cell.federated(settings):
             log(f"[bold]{cell.key}[/bold]: capturing the federated victims")
             capture_federation(cfg, settings, log, cell.federation)
     cluster.connect(ray)
@@ -252,7 +252,7 @@ def run_experiments(
     """Run (or skip) every selected cell, then write the report. Returns counts and the report path.
     With ``ray``, the unfinished cells run as Ray tasks (:mod:`.cluster`), the report grows as they finish."""
     out = Path(out)
-    if settings.victim_source == "federated" or any(c.federation for e in experiments for c in e.cells):
+    if any(c.federated(settings) for e in experiments for c in e.cells):
         settings = replace(settings, federation_dir=str(out / "federations"))
     selected = select_cells(experiments, settings)
     if not selected:
