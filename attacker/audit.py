@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedsim.capture import Capture, list_captures, list_oracles, load_capture
+from fedsim.client_step import CLIENT_OPTIMIZERS
 from fedsim.data import get_spec
 from fedsim.defenses import DEFENSES, NO_DEFENSE
 
@@ -182,9 +183,8 @@ def describe_setting(capture: Capture) -> dict[str, Any]:
         short = f"one-step gradients of {b} image{'s' if b > 1 else ''} each"
         text = f"one-step gradients, each of {b} training image{'s' if b > 1 else ''} of a client"
     else:
-        opt = {"sgd": "SGD", "adam": "Adam"}.get(str(hp.get("optimizer")), str(hp.get("optimizer")))
-        if opt == "SGD" and float(hp.get("momentum", 0) or 0) > 0:
-            opt = f"SGD with momentum {hp['momentum']}"
+        algorithm = CLIENT_OPTIMIZERS.get(str(hp.get("optimizer")))
+        opt = str(hp.get("optimizer")) if algorithm is None else algorithm.words(hp.get("momentum", 0))
         short = f"FedAvg K = {capture.local_steps} {opt}"
         text = (
             f"FedAvg updates: each client trained {capture.num_examples} images for {hp.get('local-epochs')} "
