@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedsim.capture import Capture, list_captures, list_oracles, load_capture
+from fedsim.capture_kinds import CAPTURE_KINDS
+from fedsim.client_step import CLIENT_OPTIMIZERS
 from fedsim.data import get_spec
 from fedsim.defenses import DEFENSES, NO_DEFENSE
 
@@ -177,20 +179,12 @@ def describe_setting(capture: Capture) -> dict[str, Any]:
     """p, the model, what the server captured (one-step gradient, or a FedAvg update with K and the
     optimizer) and the defense, as one capture's record states them."""
     hp = capture.hyperparameters
-    if capture.kind == "gradient":
-        b = capture.batch_size
-        short = f"one-step gradients of {b} image{'s' if b > 1 else ''} each"
-        text = f"one-step gradients, each of {b} training image{'s' if b > 1 else ''} of a client"
-    else:
-        opt = {"sgd": "SGD", "adam": "Adam"}.get(str(hp.get("optimizer")), str(hp.get("optimizer")))
-        if opt == "SGD" and float(hp.get("momentum", 0) or 0) > 0:
-            opt = f"SGD with momentum {hp['momentum']}"
-        short = f"FedAvg K = {capture.local_steps} {opt}"
-        text = (
-            f"FedAvg updates: each client trained {capture.num_examples} images for {hp.get('local-epochs')} "
-            f"epoch(s) in batches of {hp.get('batch-size')}, K = {capture.local_steps} local {opt} steps "
-            f"(lr {hp.get('lr')}) with fresh dropout masks at every step"
-        )
+    kind = CAPTURE_KINDS[capture.kind]
+    opt = ""  # the client's optimizer matters where its local round is replayed
+    if kind.replays_local_round:
+        algorithm = CLIENT_OPTIMIZERS.get(str(hp.get("optimizer")))
+        opt = str(hp.get("optimizer")) if algorithm is None else algorithm.words(hp.get("momentum", 0))
+    short, text = kind.setting(capture, opt)
     defense = capture.defense
     strength = ""
     if defense in DEFENSES and DEFENSES[defense].level and DEFENSES[defense].level in hp:
@@ -203,7 +197,7 @@ def describe_setting(capture: Capture) -> dict[str, Any]:
         "capture": short,
         "capture_text": text,
         "local_steps": capture.local_steps,
-        "optimizer": hp.get("optimizer") if capture.kind == "update" else None,
+        "optimizer": hp.get("optimizer") if kind.replays_local_round else None,
         "defense": defense,
         "defense_short": "no defense" if defense == NO_DEFENSE else f"defense {defense}{strength}",
         "defense_text": "no defense"

@@ -15,6 +15,7 @@ import torch
 
 from fedsim import dp_sgd
 from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
+from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.client_step import LocalPlan, LocalPlanError
 from fedsim.defenses import NO_DEFENSE, Defense, get_defense
 from fedsim.run_config import DEFAULTS, RunConfigError, resolve_config
@@ -115,7 +116,7 @@ def jobs_from_captures(
     for path in paths:
         try:
             capture: Capture = load_capture(path)
-            plan = replay_plan(capture, replay_order) if capture.kind == "update" else None
+            plan = replay_plan(capture, replay_order) if CAPTURE_KINDS[capture.kind].replays_local_round else None
         except CaptureError as err:
             if not skip_bad:
                 raise

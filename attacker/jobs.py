@@ -80,7 +80,12 @@ def exact_as_gradient(job: VictimJob) -> bool:
     """An update that IS one gradient: one plain SGD step on all of the job's images (Δ/lr = g). Under a
     defense it is the defended gradient (clipped, noised or pruned as the update was), attacked as such."""
     plan = job.plan
-    return plan is not None and len(job.steps) == 1 and plan.optimizer.name == "sgd" and not plan.optimizer.momentum
+    return (
+        plan is not None
+        and len(job.steps) == 1
+        and plan.optimizer.algorithm.step_is_gradient
+        and not plan.optimizer.momentum
+    )
 
 
 def as_one_gradient(job: VictimJob) -> VictimJob:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedsim.run_config import resolve_config
+from fedsim.run_config import DEFAULTS, resolve_config
 
 from .config import parse_config
 from .pipeline import RunDirError, run_attack
@@ -60,6 +61,40 @@ UPDATE_FEDERATION: dict[str, Any] = dict(
 UPDATE_ATTACKS = {"attacks": ["ig_eval", "wiig", "dia", "dia_onestep"], "attack_overrides": {"max_iterations": 1000}}
 
 
+@dataclass(frozen=True)
+class StoryVariant:
+    """The main job on one capture kind: its federation and attacks, and how its report tells them."""
+
+    federation: dict[str, Any]
+    attacks: dict[str, Any]
+    shared: Callable[[dict[str, Any]], str]  # what the server captured, from the run's config.json
+    attacked: str  # what the attacks did with it
+
+
+# One variant per capture kind (fedsim.capture_kinds.CAPTURE_KINDS; `attacker demo --capture-kind` offers them all).
+STORIES: dict[str, StoryVariant] = {
+    "gradient": StoryVariant(
+        FEDERATION,
+        ATTACKS,
+        lambda fed: f"a one-step gradient of {fed['victim-batch-size']} training image(s) per client",
+        "on the captured gradients: IG (eval) ignores dropout, WIIG replays the client's true masks "
+        "(an oracle), DIA learns the masks from the gradient alone",
+    ),
+    "update": StoryVariant(
+        UPDATE_FEDERATION,
+        UPDATE_ATTACKS,
+        lambda fed: (
+            f"the update of a FedAvg training round: {fed['capture-images']} training images per client, "
+            f"{fed['local-epochs']} epoch(s) in batches of {fed['batch-size']} with {fed['optimizer']} "
+            f"(lr {fed['lr']}), fresh dropout masks at every local step"
+        ),
+        "on the captured updates, each replaying the client's local steps: IG (eval) ignores dropout, "
+        "WIIG replays the client's true masks of every step (an oracle), DIA learns one set of masks per "
+        "step from the update alone; dia_onestep is the cheap baseline that takes Δ/(lr·K) as one gradient",
+    ),
+}
+
+
 def run_story(
     out: Path,
     *,
@@ -75,7 +110,7 @@ def run_story(
 ) -> dict[str, Any]:
     """Run the main job into ``out`` (federated/, attack/, report.md). ``num_clients`` = victims;
     ``capture_kind`` "update" captures a FedAvg training round instead of a one-step round."""
-    federation, attacks = (FEDERATION, ATTACKS) if capture_kind == "gradient" else (UPDATE_FEDERATION, UPDATE_ATTACKS)
+    federation, attacks = STORIES[capture_kind].federation, STORIES[capture_kind].attacks
     out = Path(out)
     if (out / "report.md").exists():
         raise RunDirError(f"{out} already holds a finished main job; choose another --out or remove it")
@@ -123,23 +158,8 @@ def write_story_report(out: Path, rounds: list[dict[str, str]], result: dict[str
         for r in rounds
     )
     fed = json.loads((out / "federated" / "config.json").read_text())
-    if fed.get("capture-kind") == "update":
-        shared = (
-            f"the update of a FedAvg training round: {fed['capture-images']} training images per client, "
-            f"{fed['local-epochs']} epoch(s) in batches of {fed['batch-size']} with {fed['optimizer']} "
-            f"(lr {fed['lr']}), fresh dropout masks at every local step"
-        )
-        attacks = (
-            "on the captured updates, each replaying the client's local steps: IG (eval) ignores dropout, "
-            "WIIG replays the client's true masks of every step (an oracle), DIA learns one set of masks per "
-            "step from the update alone; dia_onestep is the cheap baseline that takes Δ/(lr·K) as one gradient"
-        )
-    else:
-        shared = f"a one-step gradient of {fed['victim-batch-size']} training image(s) per client"
-        attacks = (
-            "on the captured gradients: IG (eval) ignores dropout, WIIG replays the client's true masks "
-            "(an oracle), DIA learns the masks from the gradient alone"
-        )
+    story = STORIES[fed.get("capture-kind", DEFAULTS["capture-kind"])]
+    shared, attacks = story.shared(fed), story.attacked
     text = f"""# Dropout does not protect clients: the main job
 
 1. **Federated training** (Flower simulation engine): {fed["model"]} on {fed["dataset"]} with dropout

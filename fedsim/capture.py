@@ -29,9 +29,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedsim.atomic import atomic_folder
+from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.defenses import NO_DEFENSE
 from fedsim.models import ModelSpec, ModelSpecError, build_model
-from fedsim.run_config import CAPTURE_KINDS, LABEL_POLICIES
+from fedsim.run_config import LABEL_POLICIES
 
 SCHEMA_VERSION = 1
 CAPTURE_FORMAT = "fedsim.capture"
@@ -84,7 +85,7 @@ class Capture:
     @property
     def label_count(self) -> int:
         """Labels a capture holds: one per image of the step (gradient) or of the local round (update)."""
-        return self.batch_size if self.kind == "gradient" else self.num_examples
+        return int(getattr(self, CAPTURE_KINDS[self.kind].images_field))
 
     @property
     def p(self) -> float:
@@ -143,11 +144,11 @@ def _write_record(directory: Path, name: str, meta: dict[str, Any], tensors: dic
 def save_capture(directory: str | Path, capture: Capture) -> Path:
     """Store ``capture`` as a new record folder under ``directory``; returns its path."""
     if capture.kind not in CAPTURE_KINDS:
-        raise CaptureError(f"capture kind must be one of {CAPTURE_KINDS}, got {capture.kind!r}")
+        raise CaptureError(f"capture kind must be one of {tuple(CAPTURE_KINDS)}, got {capture.kind!r}")
     if capture.label_policy not in LABEL_POLICIES:
         raise CaptureError(f"label policy must be one of {LABEL_POLICIES}, got {capture.label_policy!r}")
     tensors: dict[str, torch.Tensor] = {f"weights/{k}": v for k, v in capture.weights.items()}
-    if capture.kind == "gradient":
+    if CAPTURE_KINDS[capture.kind].one_step_gradient:
         if capture.gradient is None or len(capture.gradient) != len(capture.param_names):
             raise CaptureError("a gradient capture needs one gradient tensor per parameter name")
         tensors.update({f"gradient/{n}": g for n, g in zip(capture.param_names, capture.gradient)})
@@ -264,13 +265,15 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
         kind = meta["kind"]
         param_names = list(meta["param_names"])
         weights = _prefixed(tensors, "weights/")
-        if kind not in CAPTURE_KINDS:
+        # The one check of a kind's name: what the record says it holds (every other site asks the entry).
+        if not isinstance(kind, str) or kind not in CAPTURE_KINDS:
             raise CaptureError(f"capture {path}: unknown kind {kind!r}")
+        holds = CAPTURE_KINDS[kind]
         if set(weights) != set(meta["weight_names"]):
             raise CaptureError(f"capture {path}: weight tensors do not match the names in {META_FILE}")
         weights = {k: weights[k] for k in meta["weight_names"]}  # state-dict order
         gradient = update = None
-        if kind == "gradient":
+        if holds.one_step_gradient:
             found = _prefixed(tensors, "gradient/")
             if set(found) != set(param_names):
                 raise CaptureError(f"capture {path}: gradient tensors do not match the parameter names")
@@ -287,7 +290,7 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             raise CaptureError(f"capture {path}: unknown label policy {label_policy!r}")
         if label_policy == "known" and labels is None:
             raise CaptureError(f"capture {path}: label policy 'known' but no labels stored")
-        expected = int(meta["batch_size"]) if kind == "gradient" else int(meta["num_examples"])
+        expected = int(meta[holds.images_field])
         if labels is not None and labels.shape != (expected,):
             raise CaptureError(f"capture {path}: {labels.shape[0]} labels for {expected} images")
         capture = Capture(

@@ -153,6 +153,7 @@ def _check_coupled_batches(cfg: dict[str, Any], model: Any) -> None:
     import torch
     from torch.nn.modules.batchnorm import _BatchNorm
 
+    from fedsim.capture_kinds import CAPTURE_KINDS
     from fedsim.models import DropoutMode, dropout_mode
     from fedsim.run_config import capture_rounds
 
@@ -160,7 +161,7 @@ def _check_coupled_batches(cfg: dict[str, Any], model: Any) -> None:
     if not any(isinstance(m, _BatchNorm) and m.training for m in model.modules()):
         return
     sizes = {"batch-size": int(cfg["batch-size"])}
-    if capture_rounds(cfg) and cfg["capture-kind"] == "gradient":
+    if capture_rounds(cfg) and CAPTURE_KINDS[cfg["capture-kind"]].one_step_gradient:  # one step on the victims
         sizes["victim-batch-size"] = int(cfg["victim-batch-size"])
     for key, size in sorted(sizes.items(), key=lambda kv: kv[1]):
         try:

@@ -79,19 +79,28 @@ class Schedule:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    name: str = "sgd"  # sgd (momentum 0: plain SGD) | adam
+    name: str = "sgd"  # a name in CLIENT_OPTIMIZERS: sgd (momentum 0: plain SGD) | adam
     lr: float = 1e-3
-    momentum: float = 0.0  # SGD only
+    momentum: float = 0.0  # only an optimizer that takes momentum (SGD)
     betas: tuple[float, float] = (0.9, 0.999)  # Adam only; torch's defaults
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise LocalPlanError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        # The table itself, not the import-time OPTIMIZERS: an entry added later is an optimizer too.
+        if self.name not in CLIENT_OPTIMIZERS:
+            raise LocalPlanError(f"optimizer must be one of {tuple(CLIENT_OPTIMIZERS)}, got {self.name!r}")
         if not self.lr >= 0:
             raise LocalPlanError(f"lr must be >= 0, got {self.lr}")
-        if self.momentum < 0 or (self.momentum and self.name != "sgd"):
-            raise LocalPlanError(f"momentum must be >= 0 and only with sgd, got {self.momentum} for {self.name}")
+        if self.momentum < 0 or (self.momentum and not self.algorithm.takes_momentum):
+            with_momentum = ", ".join(n for n, o in CLIENT_OPTIMIZERS.items() if o.takes_momentum)
+            raise LocalPlanError(
+                f"momentum must be >= 0 and only with {with_momentum}, got {self.momentum} for {self.name}"
+            )
+
+    @property
+    def algorithm(self) -> ClientOptimizer:
+        """The optimizer's entry in ``CLIENT_OPTIMIZERS``: its update and what the replay knows of it."""
+        return CLIENT_OPTIMIZERS[self.name]
 
 
 @dataclass(frozen=True)
@@ -151,8 +160,11 @@ class LocalResult:
 
 # -- optimizer updates (torch.optim's single-tensor arithmetic, out of place) -------------------------
 
+# One parameter's update in one step: (param, grad, state, t) -> the new param (t counts from 1).
+UpdateRule = Callable[[Tensor, Tensor, dict, int], Tensor]
 
-def _sgd(spec: OptimizerSpec, differentiable: bool = False) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
+
+def _sgd(spec: OptimizerSpec, differentiable: bool = False) -> UpdateRule:
     def step(param: Tensor, grad: Tensor, state: dict, t: int) -> Tensor:
         if spec.momentum:
             buf = state.get("momentum_buffer")
@@ -164,7 +176,7 @@ def _sgd(spec: OptimizerSpec, differentiable: bool = False) -> Callable[[Tensor,
     return step
 
 
-def _adam(spec: OptimizerSpec, differentiable: bool = False) -> Callable[[Tensor, Tensor, dict, int], Tensor]:
+def _adam(spec: OptimizerSpec, differentiable: bool = False) -> UpdateRule:
     beta1, beta2 = spec.betas
     # In a replay, a weight whose gradient was exactly 0 so far (a dropped neuron) has v = 0, and the
     # derivative of sqrt at 0 is infinite: the backward pass would turn NaN. The clamp changes no value
@@ -184,12 +196,39 @@ def _adam(spec: OptimizerSpec, differentiable: bool = False) -> Callable[[Tensor
     return step
 
 
-# A new optimizer is one update function and one entry here (the run config's choices follow).
-UPDATES: dict[str, Callable[[OptimizerSpec, bool], Callable[[Tensor, Tensor, dict, int], Tensor]]] = {
-    "adam": _adam,
-    "sgd": _sgd,
+@dataclass(frozen=True)
+class ClientOptimizer:
+    """One client optimizer: its update, and what the rest of the tool asks of it (nothing else checks
+    an optimizer's name)."""
+
+    update_rule: Callable[[OptimizerSpec, bool], UpdateRule]  # (spec, differentiable) -> one tensor's update
+    title: str  # its name in the audit's words
+    takes_momentum: bool  # OptimizerSpec.momentum may be > 0 (the run config's momentum is used)
+    # The attacker replays it with a smoothed ε first (attacker.engine.replay.annealed_eps): at the client's
+    # ε, Adam's first step is ≈ lr·sign(g), which gives the dummies almost no usable gradient.
+    smoothed_eps_replay: bool = False
+    # An all-Linear model's replay runs all jobs at once in low-rank form (attacker.engine.replay_lowrank):
+    # each step moves a weight by a sum of outer products (through a momentum buffer at most); an
+    # elementwise step such as Adam's is not of that form.
+    lowrank_replay: bool = False
+    # One step of it without momentum is Δ = lr·g exactly, so a one-step update is attacked as that
+    # gradient (attacker.jobs.exact_as_gradient).
+    step_is_gradient: bool = False
+
+    def words(self, momentum: Any = 0) -> str:
+        """The optimizer as the audit names it, with its momentum where it takes one: "SGD with momentum 0.9"."""
+        if self.takes_momentum and float(momentum or 0) > 0:
+            return f"{self.title} with momentum {momentum}"
+        return self.title
+
+
+# A new optimizer is one update function and one entry here: the run config's choices, the momentum
+# setting, the attacker's replay and the audit's words follow.
+CLIENT_OPTIMIZERS: dict[str, ClientOptimizer] = {
+    "adam": ClientOptimizer(_adam, "Adam", takes_momentum=False, smoothed_eps_replay=True),
+    "sgd": ClientOptimizer(_sgd, "SGD", takes_momentum=True, lowrank_replay=True, step_is_gradient=True),
 }
-OPTIMIZERS = tuple(UPDATES)
+OPTIMIZERS = tuple(CLIENT_OPTIMIZERS)
 
 
 # -- the round -------------------------------------------------------------------------------------
@@ -249,7 +288,7 @@ def run_local_round(
     batches = plan_batches(plan, len(data))  # type: ignore[arg-type]
     if plan.masks is not None and len(plan.masks) < len(batches):
         raise LocalPlanError(f"{len(plan.masks)} mask sets for {len(batches)} steps")
-    update_rule = UPDATES[plan.optimizer.name](plan.optimizer, plan.differentiable)
+    update_rule = plan.optimizer.algorithm.update_rule(plan.optimizer, plan.differentiable)
     names = [n for n, _ in model.named_parameters()]
     global_params = dict(model.named_parameters()) if start is None else dict(start)
     dtype = torch.float64 if plan.float64_weights else None

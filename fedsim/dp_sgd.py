@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.capture_rounds import parse_capture_rounds
 from fedsim.models import set_masks
 
@@ -245,7 +246,7 @@ def capture_steps(cfg: Mapping[str, Any], n: int) -> int | None:
     ``capture-images`` 0: Poisson batches). A one-step round (``capture-kind`` gradient) is one step;
     an update capture of N = ``capture-images`` images runs the round's schedule on them: ``local-steps``,
     else ``local-epochs`` x ceil(N / batch-size) (``fedsim.client_step.Schedule``)."""
-    if str(cfg["capture-kind"]) == "gradient":
+    if CAPTURE_KINDS[str(cfg["capture-kind"])].one_step_gradient:
         return 1
     images = int(cfg["capture-images"])
     if images <= 0:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.capture_rounds import parse_capture_rounds
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
 from fedsim.data.hf import parse_source
@@ -182,8 +183,8 @@ def _check_defense(text: str) -> None:
         raise RunConfigError(f"one defense per run; got {text!r}")
 
 
-# Vocabulary the capture store, the strategy and the attacker share with the run config.
-CAPTURE_KINDS = ("gradient", "update")
+# Vocabulary the capture store, the strategy and the attacker share with the run config (the capture
+# kinds are fedsim.capture_kinds.CAPTURE_KINDS).
 LABEL_POLICIES = ("known", "recovered")
 
 _AT_LEAST_0 = Range(0)
@@ -362,7 +363,7 @@ SCHEMA: tuple[Setting, ...] = (
         "capture-kind",
         "gradient",
         "gradient: one-step SGD rounds on B victims; update: normal rounds",
-        choices=CAPTURE_KINDS,
+        choices=tuple(CAPTURE_KINDS),
         group="capture",
     ),
     Setting(

@@ -26,9 +26,10 @@ from flwr.supercore import log
 from safetensors.torch import load as st_load
 
 from fedsim.capture import Capture, CaptureError, OracleRecord, save_capture, save_oracle
+from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.defenses import get_defense
 from fedsim.models import ModelSpec, build_model
-from fedsim.run_config import CAPTURE_KINDS, LABEL_POLICIES
+from fedsim.run_config import LABEL_POLICIES
 
 logger = logging.getLogger("fedsim.strategy")
 
@@ -67,7 +68,7 @@ class CuriousStrategy(Strategy):
         self.strategy = strategy
         self.defense = get_defense(defense)  # recorded in every capture (what the capture holds under it)
         if capture_kind not in CAPTURE_KINDS:
-            raise ValueError(f"capture_kind must be one of {CAPTURE_KINDS}, got {capture_kind!r}")
+            raise ValueError(f"capture_kind must be one of {tuple(CAPTURE_KINDS)}, got {capture_kind!r}")
         if label_policy not in LABEL_POLICIES:
             raise ValueError(f"label_policy must be one of {LABEL_POLICIES}, got {label_policy!r}")
         self.spec = spec
@@ -118,8 +119,8 @@ class CuriousStrategy(Strategy):
         if self.stopped:
             return []
         config = ConfigRecord(dict(config))  # a copy: start() reuses one ConfigRecord for every round
-        config["one-step"] = self.is_capture_round(server_round) and self.capture_kind == "gradient"
-        config["capture-update"] = self.is_capture_round(server_round) and self.capture_kind == "update"
+        # "one-step" / "capture-update": the kind's own flag in a capture round, both False otherwise.
+        config.update(CAPTURE_KINDS[self.capture_kind].round_config(self.is_capture_round(server_round)))
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         # After the wrapped strategy's configure_train: FedProx writes its proximal-mu into this config.
         self._sent = {server_round: (arrays, dict(config))}  # only the current round is needed

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedsim import dp_sgd
-from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, one_step_plan
+from fedsim.client_step import CLIENT_OPTIMIZERS, LocalPlan, OptimizerSpec, Schedule, one_step_plan
 from fedsim.data import PartitionError, load_dataset, partition_dataset, sample_victims
 from fedsim.data.partition import partition_table
 from fedsim.defenses import DEFENSES, check_run
@@ -155,9 +155,10 @@ def local_plan(
         max_steps=max(steps, 0),
         order=str(cfg["batch-order"]),
     )
-    optimizer = OptimizerSpec(
-        str(cfg["optimizer"]), float(cfg["lr"]), momentum=float(cfg["momentum"]) if cfg["optimizer"] == "sgd" else 0.0
-    )
+    # The run config's momentum only for an optimizer that takes one; an unknown name is OptimizerSpec's to refuse.
+    algorithm = CLIENT_OPTIMIZERS.get(str(cfg["optimizer"]))
+    momentum = float(cfg["momentum"]) if algorithm is not None and algorithm.takes_momentum else 0.0
+    optimizer = OptimizerSpec(str(cfg["optimizer"]), float(cfg["lr"]), momentum=momentum)
     return LocalPlan(schedule, optimizer, record_masks=record_masks, seed=seed, dp=dp)
 
 

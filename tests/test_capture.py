@@ -225,3 +225,56 @@ def test_captures_stored_with_the_old_label_word_still_load(tmp_path: Path) -> N
     bad.label_policy = "unknown"  # the old word is read, never written
     with pytest.raises(CaptureError, match="label policy must be one of"):
         save_capture(tmp_path / "new", bad)
+
+
+def test_a_capture_kind_is_one_entry_that_every_site_asks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind added to CAPTURE_KINDS is stored, loaded, counted, sent to the clients, scheduled and
+    described as its entry says; the loader refuses a kind the table does not hold."""
+    import dataclasses
+
+    from attacker.audit import describe_setting
+    from fedsim import dp_sgd
+    from fedsim.capture_kinds import CAPTURE_KINDS
+    from fedsim.run_config import DEFAULTS
+
+    gradient, update = CAPTURE_KINDS["gradient"], CAPTURE_KINDS["update"]
+    assert gradient.round_config(True) == {"one-step": True, "capture-update": False}
+    assert update.round_config(True) == {"one-step": False, "capture-update": True}
+    assert gradient.round_config(False) == update.round_config(False) == {"one-step": False, "capture-update": False}
+    with pytest.raises(ValueError, match="client flag"):
+        dataclasses.replace(gradient, client_flag="two-step")
+
+    monkeypatch.setitem(CAPTURE_KINDS, "step", dataclasses.replace(gradient, name="step"))
+    monkeypatch.setitem(CAPTURE_KINDS, "round", dataclasses.replace(update, name="round"))
+    # Two labels: the batch of the one step (5 examples in the round) or the round's two images.
+    step = dataclasses.replace(make_capture(), kind="step", num_examples=5)
+    local = dataclasses.replace(make_capture("update"), kind="round", batch_size=1, labels=torch.tensor([1, 2]))
+    local = dataclasses.replace(local, label_policy="known", local_steps=2)
+    loaded_step = load_capture(save_capture(tmp_path / "a", step))
+    loaded_local = load_capture(save_capture(tmp_path / "b", local))
+    assert (
+        loaded_step.kind == "step" and loaded_step.update is None and len(loaded_step.gradient) == len(step.param_names)
+    )
+    assert (
+        loaded_local.kind == "round"
+        and loaded_local.gradient is None
+        and set(loaded_local.update) == set(local.weights)
+    )
+    assert loaded_step.label_count == loaded_local.label_count == 2
+    assert describe_setting(loaded_step)["capture"] == "one-step gradients of 2 images each"
+    assert describe_setting(loaded_step)["optimizer"] is None
+    assert describe_setting(loaded_local)["capture"] == "FedAvg K = 2 SGD"
+    assert describe_setting(loaded_local)["optimizer"] == "sgd"
+    cfg = dict(DEFAULTS, **{"capture-images": 4, "local-steps": 3})
+    assert dp_sgd.capture_steps(dict(cfg, **{"capture-kind": "step"}), 10) == 1
+    assert dp_sgd.capture_steps(dict(cfg, **{"capture-kind": "round"}), 10) == 3
+
+    monkeypatch.delitem(CAPTURE_KINDS, "step")
+    with pytest.raises(CaptureError, match="capture kind must be one of \\('gradient', 'update', 'round'\\)"):
+        save_capture(tmp_path / "c", step)
+    with pytest.raises(CaptureError, match="unknown kind 'step'"):
+        load_capture(loaded_step.path)
+    record = loaded_step.path / "record.json"
+    record.write_text(json.dumps(dict(json.loads(record.read_text()), kind=["gradient"])))
+    with pytest.raises(CaptureError, match="unknown kind \\['gradient'\\]"):
+        load_capture(loaded_step.path)

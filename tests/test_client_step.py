@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsim.client_step import (
+    CLIENT_OPTIMIZERS,
     LocalPlan,
     LocalPlanError,
     OptimizerSpec,
@@ -162,6 +163,55 @@ def test_bad_plans_are_refused():
         Schedule(order="random")
     with pytest.raises(LocalPlanError):
         LocalPlan(dropout="replay")
+
+
+def test_a_new_optimizer_is_one_entry_that_every_site_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry added to CLIENT_OPTIMIZERS is an optimizer for the client, the run config's momentum, the
+    attacker's replay (ε smoothing, the low-rank batching, one step as a gradient) and the audit's words,
+    and changing an entry changes what those sites do: none of them checks an optimizer's name."""
+    from attacker.engine.replay import replay_terms
+    from attacker.engine.replay_lowrank import batched_replay_applies
+    from attacker.jobs import VictimJob, exact_as_gradient
+    from fedsim import task
+    from fedsim.run_config import DEFAULTS
+
+    sgd, adam = CLIENT_OPTIMIZERS["sgd"], CLIENT_OPTIMIZERS["adam"]
+    # New names: SGD's update without momentum, and Adam as it is.
+    monkeypatch.setitem(CLIENT_OPTIMIZERS, "plain", dataclasses.replace(sgd, title="Plain", takes_momentum=False))
+    monkeypatch.setitem(CLIENT_OPTIMIZERS, "adam2", dataclasses.replace(adam, title="Adam 2"))
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 8})
+    model, data = build_model(spec), _data(4)
+    images, labels = data.tensors
+    plain = LocalPlan(Schedule(order="in-order"), OptimizerSpec("plain", 0.1), seed=1)
+    as_sgd = dataclasses.replace(plain, optimizer=OptimizerSpec("sgd", 0.1))
+    ran = run_local_round(model, data, plain)
+    assert all(torch.equal(v, run_local_round(model, data, as_sgd).update[k]) for k, v in ran.update.items())
+    with pytest.raises(LocalPlanError, match="only with sgd, got 0.9 for plain"):
+        OptimizerSpec("plain", 0.1, momentum=0.9)
+    cfg = dict(DEFAULTS, optimizer="plain", momentum=0.9)
+    assert task.local_plan(cfg, one_step=False, seed=0).optimizer == OptimizerSpec("plain", float(cfg["lr"]))
+    assert task.local_plan(dict(cfg, optimizer="sgd"), one_step=False, seed=0).optimizer.momentum == 0.9
+    masks = [[step.masks for step in ran.steps]]
+    job = VictimJob("c0", spec, model.state_dict(), list(ran.update.values()), labels, plan=plain)
+    assert batched_replay_applies(model, plain, [images], masks) and exact_as_gradient(job)
+    assert CLIENT_OPTIMIZERS["plain"].words(0.9) == "Plain"
+    assert sgd.words(0.9) == "SGD with momentum 0.9" and sgd.words(0) == "SGD" and adam.words(0.9) == "Adam"
+
+    def smoothed(name: str) -> bool:
+        """Whether the replay of an Adam-like plan takes the attack's ε in place of the client's."""
+        plan = dataclasses.replace(plain, optimizer=OptimizerSpec(name, 1e-3))
+        start, target = dict(model.named_parameters()), [torch.ones_like(p) for p in model.parameters()]
+        dot = [replay_terms(model, start, plan, [images], [labels], masks, [target], eps=e).dot for e in ([1.0], None)]
+        return not torch.equal(*dot)
+
+    assert smoothed("adam") and smoothed("adam2")
+    # The entries, changed: the same names now replay one job at a time, unsmoothed, not as a gradient.
+    monkeypatch.setitem(CLIENT_OPTIMIZERS, "adam", dataclasses.replace(adam, smoothed_eps_replay=False))
+    monkeypatch.setitem(
+        CLIENT_OPTIMIZERS, "plain", dataclasses.replace(sgd, lowrank_replay=False, step_is_gradient=False)
+    )
+    assert not smoothed("adam")
+    assert not batched_replay_applies(model, plain, [images], masks) and not exact_as_gradient(job)
 
 
 def test_explicit_batches_override_the_schedule() -> None:

@@ -68,3 +68,13 @@ def test_yaml_files_use_the_schema_names():
 
 def test_the_offline_demo_embeds_configs_attacks_demo_yaml():
     assert parse_config(OFFLINE_DEMO) == load_config(ROOT / "configs" / "attacks" / "demo.yaml")
+
+
+def test_every_capture_kind_is_a_run_config_choice_and_a_demo_variant():
+    from attacker.story import STORIES
+    from fedsim.capture_kinds import CAPTURE_KINDS
+    from fedsim.run_config import resolve_config
+
+    assert SETTINGS["capture-kind"].choices == tuple(CAPTURE_KINDS) == tuple(STORIES)
+    for kind, story in STORIES.items():
+        assert resolve_config(story.federation, {})["capture-kind"] == kind

@@ -80,7 +80,7 @@ class InversionModule(LightningModule):
         self.unknowns = Unknowns(jobs, attacks, oracles, seed, model, self.mask_shapes, box)
         self.state = JobState.start(attacks)
         # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
-        adam = first.plan is not None and first.plan.optimizer.name == "adam"
+        adam = first.plan is not None and first.plan.optimizer.algorithm.smoothed_eps_replay
         self.smoothing_ends = [smoothing_end(a) if adam else None for a in attacks]
         # L-BFGS (attacks.OPTIMIZERS) takes one job's images; its masks stay at their init (engine/lbfgs.py).
         self.lbfgs: ImageLBFGS | None = None

@@ -85,7 +85,7 @@ def replay_terms(
         job_plan = replace(
             plan, dropout="learn", masks=job_masks, differentiable=True, keep_gradients=False, record_masks=False
         )
-        if eps is not None and plan.optimizer.name == "adam":
+        if eps is not None and plan.optimizer.algorithm.smoothed_eps_replay:
             job_plan = replace(job_plan, optimizer=replace(plan.optimizer, eps=eps[j]))
         update = run_local_round(model, TensorDataset(x, y), job_plan, start=start).update
         delta = [update[n] for n in names]

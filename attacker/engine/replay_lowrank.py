@@ -93,10 +93,11 @@ def batched_replay_applies(
     model: nn.Module, plan: LocalPlan, images: list[Tensor], masks: list[list[list[Tensor]]]
 ) -> bool:
     """Whether ``lowrank_replay_terms`` can replay these jobs: an all-Linear chain (``linear_chain``),
-    an SGD client (with or without momentum; no DP-SGD clipping), and jobs of the same size (so the same step batches)
+    an optimizer whose entry batches its replay low-rank (``ClientOptimizer.lowrank_replay``: SGD, with
+    or without momentum; no DP-SGD clipping), and jobs of the same size (so the same step batches)
     with a mask set per step and dropout layer. Anything else is left to the one-job loop."""
     # DP-SGD's per-example clipping scales each example's outer product on its own: not this form.
-    if _forced_loop or plan.optimizer.name != "sgd" or plan.dp is not None or not images:
+    if _forced_loop or not plan.optimizer.algorithm.lowrank_replay or plan.dp is not None or not images:
         return False
     chain = linear_chain(model)
     if chain is None:

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 from fedsim.atomic import atomic_write
-from fedsim.run_config import to_run_config
+from fedsim.capture_kinds import CAPTURE_KINDS
+from fedsim.run_config import DEFAULTS, to_run_config
 
 from ..config import RunConfig
 from . import cluster
@@ -78,7 +79,7 @@ def capture_federation(
         own = to_run_config(federation)
         audited = (
             f"each client's local round on {own.get('capture-images', 'all its')} image(s) of its partition, its update"
-            if own.get("capture-kind") == "update"
+            if CAPTURE_KINDS[own.get("capture-kind", DEFAULTS["capture-kind"])].replays_local_round
             else f"one step on {v.victim_batch_size} image(s) per client"
         )
         log(
