@@ -29,7 +29,7 @@ from .features import FeatureTargets
 from .lbfgs import ImageLBFGS
 from .masks import mask_mode
 from .matching import Matcher
-from .objectives import DISTANCES, TERMS, TermInputs, term_weight
+from .objectives import DISTANCES, TERMS, TermInputs, position_parameter, term_weight
 from .replay import smoothing_end
 from .state import JobState
 from .unknowns import Unknowns
@@ -109,6 +109,10 @@ class InversionModule(LightningModule):
         if self.weight_lambda_features.any():
             self.features = FeatureTargets(jobs, model)
             self.weight_lambda_features.mul_(torch.tensor(self.features.has, dtype=torch.float32))
+        # APRIL's term: the position embedding's parameter, found once by structure (not by its name).
+        self.position: str | None = None
+        if self.weight_lambda_pos.any():
+            self.position = position_parameter(model, tuple(first.spec.input_shape), first.spec.num_classes)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -164,7 +168,9 @@ class InversionModule(LightningModule):
         loss = DISTANCES[self.distance_names[0]](terms)
         for d, name in enumerate(self.distance_names[1:], start=1):
             loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
-        inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies, self.unknowns.mask_rates)
+        inputs = TermInputs(
+            terms, x, len(active), layers, self.p, self.copies, self.unknowns.mask_rates, position=self.position
+        )
         if self.features is not None:
             inputs.features = self.features.dummies(len(active) * self.B)
             inputs.target_features = self.features.targets.index_select(0, index)
