@@ -9,11 +9,12 @@ from .closed_form.solvers import SOLVERS
 from .engine.job_adam import SCHEDULES
 from .engine.masks import MASK_INITS, MASK_MODES
 from .engine.objectives import DISTANCES, TERMS, term_weight
+from .engine.optimizers import ATTACK_OPTIMIZERS
 
 REPLAY_ORDERS = ("known", "unknown")
-# adam: the engine's per-job Adam rows (many jobs in one batched optimization); lbfgs: L-BFGS on the
-# images of one job at a time, masks held at their init (engine/lbfgs.py)
-OPTIMIZERS = ("adam", "lbfgs")
+# The attack optimizers' names (engine/optimizers.py: adam, the per-job Adam rows of many jobs in one
+# batched optimization; lbfgs, L-BFGS on the images of one job at a time, masks held at their init)
+OPTIMIZERS = tuple(ATTACK_OPTIMIZERS)
 IMAGE_INITS = ("random", "closed_form")
 
 
@@ -75,9 +76,9 @@ class AttackConfig:
             raise AttackConfigError(
                 f"attack {self.name}: replay_order must be one of {REPLAY_ORDERS}, got {self.replay_order!r}"
             )
-        if self.optimizer not in OPTIMIZERS:
+        if self.optimizer not in ATTACK_OPTIMIZERS:  # the table itself: an entry added there is accepted
             raise AttackConfigError(
-                f"attack {self.name}: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
+                f"attack {self.name}: optimizer must be one of {tuple(ATTACK_OPTIMIZERS)}, got {self.optimizer!r}"
             )
         if self.schedule not in SCHEDULES:
             raise AttackConfigError(

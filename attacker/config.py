@@ -18,6 +18,7 @@ from fedsim.task import local_plan
 
 from .attacks import AttackConfig, AttackConfigError, attack_names, make_attack
 from .engine.inversion import CHECKPOINT_EVERY
+from .engine.optimizers import ATTACK_OPTIMIZERS
 from .profiles import BASE_PROFILE, DEFAULT_PROFILE, ProfileError, check_profile, profile_settings
 
 # auto: a GPU when there is one; gpu and cuda: an NVIDIA GPU; mps: Apple's (Lightning's accelerator names).
@@ -83,12 +84,12 @@ class RunConfig:
     ) -> AttackConfig:
         """``attack`` with the profile's settings for ``spec``'s family and dataset, except where the
         config's attack_overrides set them (the user's word wins). ``fits`` says whether the job can take
-        the settings (an L-BFGS entry needs masks it does not have to learn: engine/lbfgs.py); where it
-        cannot, the job takes the paper's settings for the family."""
+        the settings (an optimizer that holds the masks at their init, as L-BFGS, needs masks it does not
+        have to learn: engine/lbfgs.py); where it cannot, the job takes the paper's settings for the family."""
         settings = profile_settings(self.profile, spec.name, spec.dataset)
         fitted = replace(attack, **{k: v for k, v in settings.items() if k not in self.attack_overrides})
-        lbfgs = fitted.optimizer == "lbfgs" and "optimizer" not in self.attack_overrides
-        if fits is not None and lbfgs and not fits(fitted):
+        fixed = ATTACK_OPTIMIZERS[fitted.optimizer].needs_fixed_masks and "optimizer" not in self.attack_overrides
+        if fits is not None and fixed and not fits(fitted):
             settings = profile_settings(BASE_PROFILE, spec.name, spec.dataset)
             fitted = replace(attack, **{k: v for k, v in settings.items() if k not in self.attack_overrides})
         return fitted

@@ -168,6 +168,51 @@ def test_each_layer_takes_the_path_it_should() -> None:
     assert vit.paths["net.blocks.0.attn.qkv"] in (BATCHED, "batched-factored")
 
 
+def _scale_terms(t, m, inp, d):
+    """LayerScale's per-job gradient: sum over the job's images and pixels of delta * input, per channel."""
+    g = (d * inp).reshape(t.V, -1, *inp.shape[1:]).sum((1, 3, 4))
+    return {t.of(m.gamma): t.dense(m.gamma, g)}
+
+
+class ShiftedScale(LayerScale):
+    """A subclass with a forward of its own, not what LayerScale's formula assumes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma.view(1, -1, 1, 1) + 0.1
+
+
+@pytest.mark.parametrize("own_forward", [False, True])
+def test_a_new_layer_type_is_one_registered_formula(monkeypatch: pytest.MonkeyPatch, own_forward: bool) -> None:
+    """One entry in layer_terms.FORMULAS batches a layer type (and its subclasses); a subclass whose
+    own forward is not what the entry's reference computes (checked once) stays on the per-job vjp.
+    Either way the terms equal plain autograd."""
+    from attacker.engine import layer_terms
+
+    entry = layer_terms.LayerFormula(LayerScale, _scale_terms, lambda m, x: x * m.gamma.view(1, -1, 1, 1))
+    monkeypatch.setitem(layer_terms.FORMULAS, LayerScale, entry)
+    model = _build("mixed")
+    if own_forward:
+        model.net.scale.__class__ = ShiftedScale
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    V, B = 2, 2
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(V * B, 3, 32, 32, generator=g).requires_grad_(True)
+    y = torch.randint(0, 10, (V * B,), generator=g)
+    set_dropout_mode(model, "off")
+    targets = [torch.randn(V, *prm.shape, generator=g) for prm in model.parameters()]
+    ghost = PerJobGradients(model)
+    ghost.set_targets(targets)
+    terms = ghost.compute(x, y, V)
+    assert ghost.paths["net.scale"] == (VJP if own_forward else BATCHED)
+    ref_dot, ref_norm2 = _plain(model, x, y, [], targets, V)
+    _close(terms.dot, ref_dot)
+    _close(terms.norm2, ref_norm2)
+    grads = torch.autograd.grad(terms.dot.sum() - 0.1 * terms.norm2.sum(), x)
+    ref_grads = torch.autograd.grad(ref_dot.sum() - 0.1 * ref_norm2.sum(), x)
+    _close(grads[0], ref_grads[0], rtol=1e-3)
+
+
 def test_train_mode_batchnorm_couples_and_goes_one_job_at_a_time() -> None:
     model = build_model("resnet18", "cifar10", 0.25, norm="batch")
     reason = PerJobGradients.check(model)

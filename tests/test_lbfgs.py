@@ -100,3 +100,46 @@ def test_the_strong_profile_takes_lbfgs_only_where_the_masks_need_no_learning():
     # B = 2: the masks are not read from the gradient, DIA must learn them: the paper's settings
     assert (fitted(two, "dia").optimizer, fitted(two, "dia").lr, fitted(two, "dia").tv_weight) == ("adam", 0.1, 1e-2)
     assert fitted(one, "ig_train").optimizer == "adam"  # fresh random masks each iteration
+
+
+# -- the attack optimizers as one table (engine/optimizers.py) --------------------------------------
+
+
+def test_the_attack_optimizers_are_one_table():
+    from attacker.attacks import OPTIMIZERS
+    from attacker.engine.optimizers import ATTACK_OPTIMIZERS
+
+    assert OPTIMIZERS == tuple(ATTACK_OPTIMIZERS) == ("adam", "lbfgs")
+    assert all(entry.name == name for name, entry in ATTACK_OPTIMIZERS.items())
+    assert ATTACK_OPTIMIZERS["adam"].batches_jobs and not ATTACK_OPTIMIZERS["adam"].needs_fixed_masks
+    assert not ATTACK_OPTIMIZERS["lbfgs"].batches_jobs and ATTACK_OPTIMIZERS["lbfgs"].needs_fixed_masks
+
+
+def test_a_new_attack_optimizer_is_one_entry(tmp_path, monkeypatch):
+    """An entry that steps one job at a time: the attack config accepts its name, the runner gives each
+    of its jobs a group of its own, and the module's training_step runs its step."""
+    from attacker.engine.inversion import InversionModule
+    from attacker.engine.optimizers import ATTACK_OPTIMIZERS, LBFGS
+
+    calls = []
+
+    class Counted(LBFGS):
+        name = "counted"
+
+        def step(self, module, active):
+            calls.append(list(active))
+            super().step(module, active)
+
+    monkeypatch.setitem(ATTACK_OPTIMIZERS, "counted", Counted())
+    gen = torch.Generator().manual_seed(3)
+    jobs, _ = jobs_from_images(
+        ModelSpec("lenet", "mnist", 0.0), [(torch.rand(1, 3, 28, 28, generator=gen), torch.tensor([k])) for k in (1, 2)]
+    )
+    attack = make_attack("ig_eval", optimizer="counted", lr=1.0, max_iterations=4)
+    results = run_jobs(jobs, [attack, attack], None, tmp_path, checkpoint_every=4, progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["group000", "group001"]
+    assert calls == [[0]] * 8 and all(r.iterations == 4 for r in results)
+    with pytest.raises(ValueError, match="share one attack optimizer"):
+        InversionModule(jobs, [make_attack("ig_eval"), attack])
+    with pytest.raises(ValueError, match="runs one job per module"):
+        InversionModule(jobs, [attack, attack])

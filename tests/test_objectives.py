@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attacker.attacks import AttackConfig, AttackConfigError, make_attack
 from attacker.engine import objectives
@@ -88,3 +89,58 @@ def test_a_pruned_capture_is_matched_on_its_surviving_entries_only(mnist_like):
             assert distance.abs().max() < 1e-5
         else:
             assert distance.min() > 1e-2
+
+
+# -- APRIL's position-embedding term: the parameter found by what it is, not by its name --------------
+
+TIMM_VIT = ModelSpec("timm:vit_tiny_patch16_224", "cifar10", 0.1, 0, {"img_size": 32, "patch_size": 4, "depth": 1})
+
+
+def test_aprils_term_on_a_timm_vit_equals_autograd(monkeypatch):
+    """timm calls it pos_embed (the project's ViT pos_embedding): the engine finds it by structure, and
+    the term's per-job position-embedding terms and cosine equal plain autograd on each job alone."""
+    from attacker.jobs import model_from_job
+    from fedsim.models import DropoutMode, dropout_mode
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 32, 32, generator=gen), torch.tensor([k, k + 1])) for k in (1, 5)]
+    jobs, _ = jobs_from_images(TIMM_VIT, batches)
+    module = InversionModule(jobs, [make_attack("april")] * 2)
+    params = dict(module.model.named_parameters())
+    assert module.position is not None and params[module.position] is module.model.net.pos_embed
+    seen = {}
+    real = objectives.TERMS["lambda_pos"]
+
+    def spy(inputs: objectives.TermInputs) -> torch.Tensor:
+        seen["inputs"], seen["value"] = inputs, real.fn(inputs)
+        return seen["value"]
+
+    monkeypatch.setitem(objectives.TERMS, "lambda_pos", dataclasses.replace(real, fn=spy))
+    module.job_losses([0, 1])
+    match, row = seen["inputs"].match, list(params).index(module.position)
+    assert match.names[row] == module.position
+    reference = model_from_job(jobs[0])
+    pos = dict(reference.named_parameters())[module.position]
+    for j, job in enumerate(jobs):
+        with dropout_mode(reference, DropoutMode.OFF):  # APRIL's constant 1 - p masks cancel the dropout scaling
+            loss = F.cross_entropy(reference(module.images[j].detach()), job.labels)
+        (g,) = torch.autograd.grad(loss, [pos])
+        target = job.gradient[row]
+        dot, norm2 = (g * target).sum(), g.pow(2).sum()
+        torch.testing.assert_close(match.dot[row, j], dot, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(match.norm2[row, j], norm2, rtol=1e-4, atol=1e-7)
+        cosine = 1 - dot / (norm2.sqrt() * target.pow(2).sum().sqrt() + objectives.EPS)
+        torch.testing.assert_close(seen["value"][j], cosine, rtol=1e-4, atol=1e-6)
+
+
+def test_aprils_term_finds_the_projects_vit_position_embedding_and_refuses_a_model_without_one(mnist_like):
+    x, y = mnist_like
+    vit = jobs_from_images(ModelSpec("vit", "mnist", 0.1, 0, {"depth": 1}), [(x[:1], y[:1])])[0]
+    module = InversionModule(vit, [make_attack("april")])
+    assert dict(module.model.named_parameters())[module.position] is module.model.tokens.pos_embedding
+    assert InversionModule(vit, [make_attack("ig_eval")]).position is None  # no term, no probe
+    mlp = jobs_from_images(ModelSpec("mlp", "mnist", 0.0, 0), [(x[:1], y[:1])])[0]
+    module = InversionModule(mlp, [make_attack("april")])
+    assert module.position is None
+    with pytest.raises(ValueError, match="the model has no position embedding"):
+        module.job_losses([0])

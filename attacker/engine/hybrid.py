@@ -1,4 +1,4 @@
-"""Per-job parameter gradients for the layers whose batched formula ``gradients.py`` does not know.
+"""Per-job parameter gradients for the layers without a batched formula (``layer_terms.py``).
 
 ``PerJobGradients`` reads each job's gradient terms off the deltas (the gradient of the summed loss
 w.r.t. each layer's output, per row and so per job). For Linear, Conv2d, the norms and the ViT's

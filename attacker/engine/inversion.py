@@ -9,11 +9,14 @@ masks each iteration, WIIG by the client's true masks, DIA by optimized masks in
 
 Lightning's split: this module holds the math (each job's loss, the step); the Trainer the loop;
 callbacks the checkpoints and curves (``runner``). The parts: ``Unknowns`` (what is optimized),
-``Matcher`` (what it is matched against), ``JobState`` (each job's stopping and schedule state).
-Optimization is manual because each job has its own learning rate, plateau and stopping point.
+``Matcher`` (what it is matched against), ``JobState`` (each job's stopping and schedule state), the
+attack optimizer (``optimizers.ATTACK_OPTIMIZERS``: one iteration of the jobs). Optimization is
+manual because each job has its own learning rate, plateau and stopping point.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from lightning import LightningModule
@@ -26,10 +29,10 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 from ..attacks import AttackConfig
 from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
 from .features import FeatureTargets
-from .lbfgs import ImageLBFGS
 from .masks import mask_mode
 from .matching import Matcher
-from .objectives import DISTANCES, TERMS, TermInputs, term_weight
+from .objectives import DISTANCES, TERMS, TermInputs, position_parameter, term_weight
+from .optimizers import ATTACK_OPTIMIZERS
 from .replay import smoothing_end
 from .state import JobState
 from .unknowns import Unknowns
@@ -82,13 +85,16 @@ class InversionModule(LightningModule):
         # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
         adam = first.plan is not None and first.plan.optimizer.algorithm.smoothed_eps_replay
         self.smoothing_ends = [smoothing_end(a) if adam else None for a in attacks]
-        # L-BFGS (attacks.OPTIMIZERS) takes one job's images; its masks stay at their init (engine/lbfgs.py).
-        self.lbfgs: ImageLBFGS | None = None
-        if attacks[0].optimizer == "lbfgs":
-            if self.V != 1 or any(a.optimizer != "lbfgs" for a in attacks):
-                raise ValueError("an L-BFGS attack runs one job per module")
+        # The attack optimizer (optimizers.ATTACK_OPTIMIZERS), one per module: its step is the iteration.
+        self.attack_optimizer = ATTACK_OPTIMIZERS[attacks[0].optimizer]
+        if any(a.optimizer != attacks[0].optimizer for a in attacks):
+            raise ValueError("the jobs of one module share one attack optimizer")
+        if not self.attack_optimizer.batches_jobs and self.V != 1:
+            raise ValueError(f"an attack with optimizer {attacks[0].optimizer!r} runs one job per module")
+        if self.attack_optimizer.needs_fixed_masks:
             for stack in self.unknowns.mask_stacks:
                 stack.requires_grad_(False)
+        self.stepper: Any = None  # the optimizer's own state beside the unknowns, built at its first step
         # Per-job settings as vectors, indexed by the active jobs each step: the distance of each job,
         # and the weight of every loss term (objectives.TERMS), zero where it does not apply.
         self.distance_names = sorted({a.distance for a in attacks})
@@ -109,6 +115,10 @@ class InversionModule(LightningModule):
         if self.weight_lambda_features.any():
             self.features = FeatureTargets(jobs, model)
             self.weight_lambda_features.mul_(torch.tensor(self.features.has, dtype=torch.float32))
+        # APRIL's term: the position embedding's parameter, found once by structure (not by its name).
+        self.position: str | None = None
+        if self.weight_lambda_pos.any():
+            self.position = position_parameter(model, tuple(first.spec.input_shape), first.spec.num_classes)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -164,7 +174,9 @@ class InversionModule(LightningModule):
         loss = DISTANCES[self.distance_names[0]](terms)
         for d, name in enumerate(self.distance_names[1:], start=1):
             loss = torch.where(chosen == d, DISTANCES[name](terms), loss)
-        inputs = TermInputs(terms, x, len(active), layers, self.p, self.copies, self.unknowns.mask_rates)
+        inputs = TermInputs(
+            terms, x, len(active), layers, self.p, self.copies, self.unknowns.mask_rates, position=self.position
+        )
         if self.features is not None:
             inputs.features = self.features.dummies(len(active) * self.B)
             inputs.target_features = self.features.targets.index_select(0, index)
@@ -180,45 +192,8 @@ class InversionModule(LightningModule):
         if not active:
             self.trainer.should_stop = True
             return None
-        if self.lbfgs is not None or self.attacks[0].optimizer == "lbfgs":
-            return self.lbfgs_step()
-        ended = [j for j in active if self.smoothing_ends[j] == self.state.iteration]
-        if ended:  # the best iterate and the plateau rule restart on the final objective
-            self.state.restart_tracking(ended)
-        self.unknowns.zero_grad_rows()
-        losses, _ = self.job_losses(active)
-        self.manual_backward(losses.sum())
-        values = losses.detach().cpu().tolist()
-        improved, stepping = self.state.observe(active, values, self.attacks)
-        if improved:
-            self.unknowns.keep_best(improved)
-        if stepping:
-            self.step_jobs([j for j, _ in stepping], [v for _, v in stepping])
-        self.state.iteration += 1
-        running = self.active()
-        self.log("active_jobs", float(len(running)), prog_bar=True, on_step=True, batch_size=1)
-        self.log("loss_mean", float(sum(values) / len(values)), prog_bar=True, on_step=True, batch_size=1)
-        if not running:
-            self.trainer.should_stop = True
+        self.attack_optimizer.step(self, active)  # one iteration of the active jobs (optimizers.py)
         return None
-
-    def lbfgs_step(self) -> None:
-        """One L-BFGS iteration of the module's one job: the same bookkeeping as an Adam iteration (the
-        loss at the iterate it starts from, the best iterate, the stopping rules); no lr schedule."""
-        if self.lbfgs is None:  # built on the device the Trainer chose; a resumed run restarts its history
-            box = (self.unknowns.box_low, self.unknowns.box_high) if self.attacks[0].boxed else None
-            self.lbfgs = ImageLBFGS(self.unknowns.image_stack, self.attacks[0].lr, box)
-        value, point = self.lbfgs.step(lambda: self.job_losses([0])[0].sum(), self.manual_backward)
-        improved, _ = self.state.observe([0], [value], self.attacks)
-        if improved:
-            with torch.no_grad():
-                self.unknowns.best_images.copy_(point)
-        if self.lbfgs.stuck and self.active():
-            self.state.status[0] = "converged"  # nothing left to try: waiting out the patience changes nothing
-        self.state.iteration += 1
-        self.log("loss_mean", value, prog_bar=True, on_step=True, batch_size=1)
-        if not self.active():
-            self.trainer.should_stop = True
 
     def step_jobs(self, jobs: list[int], losses: list[float]) -> None:
         """One optimizer step of each of ``jobs`` after the backward pass (Adam on their rows, then each

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..closed_form.probe import first_layer, position_embedding
 from ..profiles import BASE_PROFILE, profile_settings
 from .gradients import MatchTerms
 
@@ -37,6 +38,8 @@ class TermInputs:
     # features from its gradient (engine/features.py); None where no active job has a target.
     features: Tensor | None = None
     target_features: Tensor | None = None
+    # The name of the model's position-embedding parameter (``position_parameter``); None: it has none.
+    position: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,33 @@ def euclidean_distance(terms: MatchTerms) -> Tensor:
     return (terms.norm2 - 2 * terms.dot + terms.target_norm2).sum(0)
 
 
-def param_cosine_distance(terms: MatchTerms, name_suffix: str) -> Tensor:
-    """Cosine distance restricted to the parameters whose name ends with ``name_suffix``."""
-    rows = [i for i, n in enumerate(terms.names) if n.endswith(name_suffix)]
+def param_cosine_distance(terms: MatchTerms, name: str) -> Tensor:
+    """Cosine distance restricted to the parameter ``name`` (as model.named_parameters() names it)."""
+    rows = [i for i, n in enumerate(terms.names) if n == name]
     if not rows:
-        raise ValueError(f"the model has no parameter named *{name_suffix}")
+        raise ValueError(f"the model has no parameter named {name}")
     return _cosine(terms.dot[rows], terms.norm2[rows], terms.target_norm2[rows])
+
+
+def position_parameter(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> str | None:
+    """The name of the model's position embedding, found by what it is, not by its name (the
+    project's ViT calls it pos_embedding, timm's pos_embed): the parameter added to every token after a
+    per-patch linear embedding, by the gradient identity it implies on a probe (closed_form.probe).
+    None for a model without one. The probe differentiates w.r.t. the weights, which the engine
+    freezes: they take gradients for it and are frozen again after."""
+    layer = first_layer(model, input_shape)
+    if layer is None:
+        return None
+    params = list(model.parameters())
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        found = position_embedding(model, layer, input_shape, classes)
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+    return None if found is None else found.name
 
 
 # -- loss terms -------------------------------------------------------------------------------------
@@ -106,8 +130,13 @@ def param_cosine_distance(terms: MatchTerms, name_suffix: str) -> Tensor:
 
 @term("lambda_pos")
 def position_embedding_term(inputs: TermInputs) -> Tensor:
-    """APRIL's extra cosine term on the position-embedding gradient (ViT)."""
-    return param_cosine_distance(inputs.match, "pos_embedding")
+    """APRIL's extra cosine term on the position-embedding gradient (ViT), whatever the parameter's name."""
+    if inputs.position is None:
+        raise ValueError(
+            "the model has no position embedding (a parameter added to every patch token), which APRIL's "
+            "lambda_pos term matches"
+        )
+    return param_cosine_distance(inputs.match, inputs.position)
 
 
 @term("tv_weight", default=lambda model: profile_settings(BASE_PROFILE, model)["tv_weight"])

@@ -24,6 +24,7 @@ from ..curves import SSIMCurve
 from ..jobs import JobResult, Oracle, VictimJob, model_from_job
 from .gradients import PerJobGradients
 from .inversion import CHECKPOINT_EVERY, InversionModule
+from .optimizers import ATTACK_OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,9 @@ def run_jobs(
         cap = min(max_jobs_per_group, model_family(jobs[group[0]].spec.name).group_caps.get(kind, max_jobs_per_group))
         for start in range(0, len(group), cap):
             groups.append(group[start : start + cap])
-    # A model with a layer that couples a batch (train-mode BatchNorm) cannot batch jobs, nor can L-BFGS
-    # (one objective per optimizer): single-job groups. Checked once per model spec (a probe pass).
+    # A model with a layer that couples a batch (train-mode BatchNorm) cannot batch jobs, nor can an
+    # optimizer with one objective (L-BFGS: ATTACK_OPTIMIZERS' batches_jobs): single-job groups.
+    # Checked once per model spec (a probe pass).
     split = []
     checked: dict[str, str | None] = {}
     for group in groups:
@@ -195,9 +197,12 @@ def run_jobs(
             if checked[key] is not None and log is not None:
                 log(f"{first.spec.name}: victim jobs one at a time by autograd: {checked[key]}")
         batched = checked[key] is None
-        alone = [i for i in group if not batched or attacks[i].optimizer == "lbfgs"]
-        rest = [i for i in group if i not in alone]
-        split.extend([[i] for i in alone] + ([rest] if rest else []))
+        alone = [i for i in group if not batched or not ATTACK_OPTIMIZERS[attacks[i].optimizer].batches_jobs]
+        rest: dict[str, list[int]] = {}  # the others, one group per optimizer (a module steps by one)
+        for i in group:
+            if i not in alone:
+                rest.setdefault(attacks[i].optimizer, []).append(i)
+        split.extend([[i] for i in alone] + list(rest.values()))
     record: dict[str, dict] = {}
     for g, group in enumerate(split):
         module = InversionModule(
