@@ -1,4 +1,4 @@
-"""Your own model (fedsim/models/own.py): ``module.path:factory`` and ``timm:NAME`` resolve through the
+"""Your own model (fedsim/models/own/): ``module.path:factory`` and ``timm:NAME`` resolve through the
 model table to its generic entries, their dropout (modules and timm's functional F.dropout) is
 recorded and replayed like the built-in models', the attack engine's per-job terms equal plain
 autograd on them (all batched by the engine's per-layer hybrid: eval-mode BatchNorm and timm's ViT

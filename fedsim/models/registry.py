@@ -143,7 +143,7 @@ MODELS: dict[str, ModelFamily] = {
             attack_family="resnet",
             group_caps={"cpu": 16, "gpu": 64},
         ),
-        # Your own model (own.py): any name with a ':' resolves to one of these (model_family); the
+        # Your own model (own/): any name with a ':' resolves to one of these (model_family); the
         # attack settings are the profile's generic entry, and there is no group cap of its own.
         ModelFamily(own.CALLABLE_KEY, own.from_callable, None, check=own.check_callable),
         ModelFamily(own.TIMM_KEY, own.from_timm, None, check=own.check_timm),
