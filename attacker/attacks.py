@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from fedsim.ranges import Range
+
 from .closed_form.solvers import SOLVERS
 from .engine.job_adam import SCHEDULES
 from .engine.masks import MASK_INITS, MASK_MODES
@@ -16,6 +18,23 @@ REPLAY_ORDERS = ("known", "unknown")
 # batched optimization; lbfgs, L-BFGS on the images of one job at a time, masks held at their init)
 OPTIMIZERS = tuple(ATTACK_OPTIMIZERS)
 IMAGE_INITS = ("random", "closed_form")
+
+
+_POSITIVE_INT = Range(0, low_open=True, integer=True, words="a positive integer")
+_POSITIVE = Range(0, low_open=True, words="positive")
+_FRACTION = Range(0, 1, low_open=True)
+# The numeric settings (AttackConfig's fields) and the numbers each takes; replay_eps_anneal, a
+# fraction with a message of its own, is checked beside them.
+_NUMBERS: dict[str, Range] = {
+    **dict.fromkeys(("max_iterations", "patience", "plateau_patience", "restarts"), _POSITIVE_INT),
+    **dict.fromkeys(("lr", "plateau_factor"), _POSITIVE),
+    **dict.fromkeys(
+        ("replay_eps_start", "replay_eps_end"),
+        Range(0, low_open=True, optional=True, words="a positive number (or null)"),
+    ),
+    # every loss term's weight: None (its default) or >= 0
+    **dict.fromkeys(("loss_threshold", *TERMS), Range(0, optional=True)),
+}
 
 
 class AttackConfigError(ValueError):
@@ -92,30 +111,19 @@ class AttackConfig:
             raise AttackConfigError(
                 f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}"
             )
-        for key in ("max_iterations", "patience", "plateau_patience", "restarts"):
+        for key, allowed in _NUMBERS.items():
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise AttackConfigError(f"attack {self.name}: {key} must be a positive integer, got {value!r}")
-        for key in ("lr", "plateau_factor"):
-            if not getattr(self, key) > 0:
-                raise AttackConfigError(f"attack {self.name}: {key} must be positive, got {getattr(self, key)!r}")
-        for key in ("replay_eps_start", "replay_eps_end"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            problem = allowed.problem(value)
+            if problem:
+                # YAML 1.1 reads 1e-4 (no dot) as a string
                 hint = " (YAML reads 1e-4 as text: write 1.0e-4)" if isinstance(value, str) else ""
-                raise AttackConfigError(
-                    f"attack {self.name}: {key} must be a positive number (or null), got {value!r}{hint}"
-                )
+                raise AttackConfigError(f"attack {self.name}: {key} must be {problem}, got {value!r}{hint}")
         anneal = self.replay_eps_anneal
-        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or not 0 < anneal <= 1:
+        if anneal not in _FRACTION:
             raise AttackConfigError(
-                f"attack {self.name}: replay_eps_anneal is a fraction of max_iterations and must be in (0, 1] "
-                f"(a schedule no longer than the budget), got {anneal!r}"
+                f"attack {self.name}: replay_eps_anneal is a fraction of max_iterations and must be "
+                f"{_FRACTION.describe()} (a schedule no longer than the budget), got {anneal!r}"
             )
-        for key in ("loss_threshold", *TERMS):  # every loss term's weight: None (its default) or >= 0
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise AttackConfigError(f"attack {self.name}: {key} must be >= 0, got {value!r}")
 
     def tv_for(self, model_name: str) -> float:
         return term_weight(self, "tv_weight", model_name)

@@ -4,7 +4,7 @@ Any module-level callable that returns an ``nn.Module`` works the same way. The 
 attacker call it with the model options (``--model-options '{"width": 32}'``) and with the run's
 values that its signature names: ``num_classes``, ``in_channels`` and ``image_size`` from the
 dataset, ``p`` (or ``drop_rate`` / ``dropout``) from ``--p``. Its ``nn.Dropout`` becomes the
-project's recorded dropout layer automatically (fedsim/models/own.py).
+project's recorded dropout layer automatically (fedsim/models/own/).
 """
 
 from __future__ import annotations

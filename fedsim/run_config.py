@@ -30,35 +30,12 @@ from fedsim.data.partition import PARTITIONERS, PartitionError, make_partitioner
 from fedsim.data.partition import parse_options as parse_partitioner_options
 from fedsim.defenses import DEFENSES, NO_DEFENSE
 from fedsim.dp_sgd import NOISE_SOURCES
+from fedsim.ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE, UNIT, Range
 from fedsim.strategies import STRATEGIES, StrategyOptionsError, check_options, parse_options
 
 
 class RunConfigError(ValueError):
     """An unknown key or an impossible value in the run configuration."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """A numeric range; ``None`` leaves that side open, ``*_open`` excludes the bound itself."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def __contains__(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
-            return False
-        return True
-
-    def __str__(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"{'<' if self.high_open else '<='} {self.high:g}"
 
 
 @dataclass(frozen=True)
@@ -113,9 +90,9 @@ class Setting:
             self.check(value)
         if self.choices is not None and value not in self.choices:
             raise RunConfigError(f"{self.key} must be one of {', '.join(self.choices)}; got {value!r}")
-        if self.range is not None and value not in self.range:
-            bounded = self.range.low is not None and self.range.high is not None
-            raise RunConfigError(f"{self.key} must be {'in ' if bounded else ''}{self.range}; got {value!r}")
+        problem = self.range.problem(value) if self.range is not None else None
+        if problem:
+            raise RunConfigError(f"{self.key} must be {problem}; got {value!r}")
 
 
 def _check_model_options(text: str) -> None:
@@ -187,11 +164,6 @@ def _check_defense(text: str) -> None:
 # kinds are fedsim.capture_kinds.CAPTURE_KINDS).
 LABEL_POLICIES = ("known", "recovered")
 
-_AT_LEAST_0 = Range(0)
-_AT_LEAST_1 = Range(1)
-_POSITIVE = Range(0, low_open=True)
-_UNIT = Range(0, 1)
-
 SCHEMA: tuple[Setting, ...] = (
     # model
     Setting(
@@ -212,8 +184,8 @@ SCHEMA: tuple[Setting, ...] = (
         group="model",
     ),
     # federation
-    Setting("num-clients", 10, "number of clients (SuperNodes)", range=_AT_LEAST_1, group="federation"),
-    Setting("num-server-rounds", 3, "number of server rounds", range=_AT_LEAST_1, group="federation"),
+    Setting("num-clients", 10, "number of clients (SuperNodes)", range=AT_LEAST_1, group="federation"),
+    Setting("num-server-rounds", 3, "number of server rounds", range=AT_LEAST_1, group="federation"),
     Setting(
         "fraction-train",
         1.0,
@@ -225,7 +197,7 @@ SCHEMA: tuple[Setting, ...] = (
         "fraction-evaluate",
         0.0,
         "fraction of the clients that evaluate each round (0: the server evaluates centrally only)",
-        range=_UNIT,
+        range=UNIT,
         group="federation",
     ),
     Setting(
@@ -249,7 +221,7 @@ SCHEMA: tuple[Setting, ...] = (
         "dirichlet-alpha",
         0.5,
         "Dirichlet concentration (small: strong label skew): the alpha of the dirichlet partitioner",
-        range=_POSITIVE,
+        range=POSITIVE,
         group="federation",
     ),
     Setting("seed", 0, "seed of the partitions and the clients' local training", group="federation"),
@@ -271,18 +243,18 @@ SCHEMA: tuple[Setting, ...] = (
         group="federation",
     ),
     # local training
-    Setting("local-epochs", 1, "local epochs per round", range=_AT_LEAST_1, group="local training"),
+    Setting("local-epochs", 1, "local epochs per round", range=AT_LEAST_1, group="local training"),
     Setting(
         "local-steps",
         0,
         "> 0: this many local batches per round instead of epochs",
-        range=_AT_LEAST_0,
+        range=AT_LEAST_0,
         group="local training",
     ),
-    Setting("batch-size", 64, "local training batch size", range=_AT_LEAST_1, group="local training"),
-    Setting("lr", 1e-3, "local learning rate", range=_AT_LEAST_0, group="local training"),
+    Setting("batch-size", 64, "local training batch size", range=AT_LEAST_1, group="local training"),
+    Setting("lr", 1e-3, "local learning rate", range=AT_LEAST_0, group="local training"),
     Setting("optimizer", "adam", "local optimizer", choices=OPTIMIZERS, group="local training"),
-    Setting("momentum", 0.0, "SGD momentum", range=_AT_LEAST_0, group="local training"),
+    Setting("momentum", 0.0, "SGD momentum", range=AT_LEAST_0, group="local training"),
     Setting(
         "batch-order",
         "shuffled",
@@ -304,7 +276,7 @@ SCHEMA: tuple[Setting, ...] = (
         1.0,
         "DP defenses: L2 clipping norm of each client's update (local DP: also its sensitivity; "
         "dp-sgd: of each example's gradient)",
-        range=_POSITIVE,
+        range=POSITIVE,
         group="defense",
     ),
     Setting(
@@ -312,14 +284,14 @@ SCHEMA: tuple[Setting, ...] = (
         1.0,
         "central DP: Gaussian noise stdev of the aggregate = noise-multiplier * clip-norm / sampled clients; "
         "dp-sgd with dp-noise-from noise-multiplier: the noise of each step, in units of clip-norm",
-        range=_POSITIVE,
+        range=POSITIVE,
         group="defense",
     ),
     Setting(
         "dp-epsilon",
         10.0,
         "local DP: epsilon of each client's Gaussian mechanism; dp-sgd: the target epsilon of the whole training",
-        range=_POSITIVE,
+        range=POSITIVE,
         group="defense",
     ),
     Setting(
@@ -371,17 +343,17 @@ SCHEMA: tuple[Setting, ...] = (
         0,
         "update capture rounds: each client trains on this many images drawn from its "
         "partition, a victim set small enough to reconstruct (0: its whole partition)",
-        range=_AT_LEAST_0,
+        range=AT_LEAST_0,
         group="capture",
     ),
     Setting(
-        "victim-batch-size", 1, "B, the victim images of a one-step capture round", range=_AT_LEAST_1, group="capture"
+        "victim-batch-size", 1, "B, the victim images of a one-step capture round", range=AT_LEAST_1, group="capture"
     ),
     Setting(
         "onestep-lr",
         1e-3,
         "learning rate of a one-step round (small: it should not disturb training)",
-        range=_POSITIVE,
+        range=POSITIVE,
         group="capture",
     ),
     Setting(
@@ -414,10 +386,10 @@ SCHEMA: tuple[Setting, ...] = (
         "early-stop-patience",
         0,
         "rounds without a better test accuracy before stopping; 0: off",
-        range=_AT_LEAST_0,
+        range=AT_LEAST_0,
         group="output",
     ),
-    Setting("eval-batch-size", 1000, "batch size of the server's test evaluation", range=_AT_LEAST_1, group="output"),
+    Setting("eval-batch-size", 1000, "batch size of the server's test evaluation", range=AT_LEAST_1, group="output"),
     Setting("run-dir", "runs/fedsim", "run folder (must be new or empty)", group="output"),
     Setting("data-root", "data", "dataset folder (downloads go here when the network allows)", group="output"),
     Setting(

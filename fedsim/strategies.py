@@ -10,10 +10,11 @@ reads the table's names and parameters without loading ``flwr.serverapp``.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from fedsim.ranges import Range
 
 
 class StrategyOptionsError(ValueError):
@@ -22,39 +23,30 @@ class StrategyOptionsError(ValueError):
 
 @dataclass(frozen=True)
 class Param:
-    """One keyword argument of a Flower strategy: its type and allowed range (``None``: open side)."""
+    """One keyword argument of a Flower strategy: the numbers it takes (an integer or a finite float
+    range, ``fedsim.ranges``) and a help text."""
 
-    type: type  # int or float
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
+    range: Range
     help: str = ""
 
     def check(self, strategy: str, name: str, value: Any) -> float | int:
-        # JSON gives bool as a subclass of int: refuse it rather than read true as 1.
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise StrategyOptionsError(f"strategy {strategy}: {name} must be a number, got {value!r}")
-        if self.type is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise StrategyOptionsError(f"strategy {strategy}: {name} must be an integer, got {value!r}")
-            value = int(value)
-        else:
-            value = float(value)
-            if not math.isfinite(value):
-                raise StrategyOptionsError(f"strategy {strategy}: {name} must be finite, got {value!r}")
-        low_bad = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        high_bad = self.high is not None and (value >= self.high if self.high_open else value > self.high)
-        if low_bad or high_bad:
-            raise StrategyOptionsError(f"strategy {strategy}: {name} must be {self.describe()}, got {value!r}")
+        if not isinstance(value, bool) and isinstance(value, int | float):
+            # JSON writes 2 and 2.0 alike: an integral float is the integer, an int a float parameter's float
+            if not self.range.integer:
+                value = float(value)
+            elif isinstance(value, float) and value.is_integer():
+                value = int(value)
+        problem = self.range.problem(value)
+        if problem:
+            raise StrategyOptionsError(f"strategy {strategy}: {name} must be {problem}, got {value!r}")
         return value
 
     def describe(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"{'<' if self.high_open else '<='} {self.high:g}" if self.high is not None else "any number"
+        return self.range.describe()
+
+
+def _float(low: float | None = None, high: float | None = None, **kwargs: Any) -> Range:
+    return Range(low, high, finite=True, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -73,14 +65,15 @@ class StrategyEntry:
         return getattr(flwr_strategies, self.flower_class)
 
 
-_POSITIVE = {"low": 0.0, "low_open": True}
+_POSITIVE = _float(0.0, low_open=True)
+_DECAY = _float(0.0, 1.0, high_open=True)
 # FedOpt's parameters (FedAdam, FedYogi, FedAdagrad), as flwr.serverapp.strategy.FedOpt names them.
 _FEDOPT = {
-    "eta": Param(float, **_POSITIVE, help="server-side learning rate"),
-    "eta_l": Param(float, **_POSITIVE, help="client-side learning rate (Flower keeps it, does not use it)"),
-    "beta_1": Param(float, 0.0, 1.0, high_open=True, help="first-moment decay"),
-    "beta_2": Param(float, 0.0, 1.0, high_open=True, help="second-moment decay"),
-    "tau": Param(float, **_POSITIVE, help="adaptivity (added to the root of the second moment)"),
+    "eta": Param(_POSITIVE, "server-side learning rate"),
+    "eta_l": Param(_POSITIVE, "client-side learning rate (Flower keeps it, does not use it)"),
+    "beta_1": Param(_DECAY, "first-moment decay"),
+    "beta_2": Param(_DECAY, "second-moment decay"),
+    "tau": Param(_POSITIVE, "adaptivity (added to the root of the second moment)"),
 }
 
 STRATEGIES: dict[str, StrategyEntry] = {
@@ -91,7 +84,7 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "fedprox",
             "FedProx",
             "FedAvg's aggregation; clients add (mu/2)||w - w_global||^2 to their loss",
-            {"proximal_mu": Param(float, 0.0, help="weight of the proximal term")},
+            {"proximal_mu": Param(_float(0.0), "weight of the proximal term")},
             client_objective="proximal_mu",
         ),
         StrategyEntry("fedadam", "FedAdam", "FedAvg's average as a pseudo-gradient for a server Adam step", _FEDOPT),
@@ -104,13 +97,13 @@ STRATEGIES: dict[str, StrategyEntry] = {
             "fedtrimmedavg",
             "FedTrimmedAvg",
             "coordinate-wise mean after cutting the beta fraction at each end",
-            {"beta": Param(float, 0.0, 0.5, high_open=True, help="fraction cut at each end")},
+            {"beta": Param(_float(0.0, 0.5, high_open=True), "fraction cut at each end")},
         ),
         StrategyEntry(
             "krum",
             "Krum",
             "the one client model closest to its neighbours (Blanchard et al.)",
-            {"num_malicious_nodes": Param(int, 0.0, help="f, the Byzantine clients tolerated")},
+            {"num_malicious_nodes": Param(Range(0, integer=True), "f, the Byzantine clients tolerated")},
         ),
     )
 }

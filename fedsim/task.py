@@ -86,7 +86,8 @@ def _dataset(name: str, root: str, train: bool, channels: int | None, download: 
 
 
 def load_split(cfg: Mapping[str, Any], train: bool) -> Dataset:
-    channels = 3 if model_family(cfg["model"]).three_channel and cfg["dataset"] == "mnist" else None
+    # A three-channel model (the paper's LeNet, ResNet-18) takes a grey dataset as 3 channels (the dataset table)
+    channels = 3 if model_family(cfg["model"]).three_channel else None
     source = str(cfg.get("data-source", "builtin"))
     return _dataset(cfg["dataset"], str(cfg["data-root"]), train, channels, bool(cfg["download"]), source)
 

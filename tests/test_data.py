@@ -266,6 +266,27 @@ def test_imagenet_folder(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+def test_a_dataset_is_one_table_entry(tmp_path, monkeypatch):
+    """A dataset added as one DatasetEntry: its spec, its aliases, its loading and the models' shapes
+    (a three-channel model takes a grey dataset as 3 channels) all follow from the entry."""
+    from fedsim.data import DATASETS, DatasetEntry
+    from fedsim.models import build_model
+    from fedsim.models.registry import ModelSpec
+
+    def tiny_loader(root, train, spec, download, timeout_s):
+        return synthetic_dataset(spec, 6 if train else 2)
+
+    entry = DatasetEntry("tiny", "Tiny", (1, 3), 12, 4, (0.5,), (0.25,), tiny_loader, aliases=("tiny-4",))
+    monkeypatch.setitem(DATASETS, "tiny", entry)
+    spec = get_spec("Tiny-4", channels=3)
+    assert (spec.name, spec.shape, spec.num_classes, spec.mean) == ("tiny", (3, 12, 12), 4, (0.5,) * 3)
+    data = load_dataset("tiny", tmp_path, train=True, channels=3)
+    assert len(data) == 6 and data[0][0].shape == (3, 12, 12)
+    assert ModelSpec("mlp", "tiny", 0.1).input_shape == (1, 12, 12)
+    assert ModelSpec("lenet", "tiny", 0.1).input_shape == (3, 12, 12)
+    assert build_model("mlp", "tiny", 0.1)(torch.zeros(2, 1, 12, 12)).shape == (2, 4)
+
+
 def test_partition_iid():
     parts = partition_iid(103, 10, seed=1)
     assert len(parts) == 10

@@ -240,7 +240,7 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_registry_spec_is_what_the_own_adapter_reads() -> None:
-    # own.py names the spec fields it uses (a Protocol) rather than importing the registry, which imports it.
+    # own (own/spec.py) names the spec fields it uses (a Protocol) rather than importing the registry, which imports it.
     from fedsim.models import ModelSpec, own
 
     assert isinstance(ModelSpec("mlp", "mnist", 0.25, 0, {}), own.ModelSpec)

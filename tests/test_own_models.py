@@ -1,4 +1,4 @@
-"""Your own model (fedsim/models/own.py): ``module.path:factory`` and ``timm:NAME`` resolve through the
+"""Your own model (fedsim/models/own/): ``module.path:factory`` and ``timm:NAME`` resolve through the
 model table to its generic entries, their dropout (modules and timm's functional F.dropout) is
 recorded and replayed like the built-in models', the attack engine's per-job terms equal plain
 autograd on them (all batched by the engine's per-layer hybrid: eval-mode BatchNorm and timm's ViT
@@ -504,3 +504,16 @@ def test_a_factory_not_named_by_the_user_is_not_imported(monkeypatch: pytest.Mon
     monkeypatch.setenv(TRUSTED_FACTORIES_ENV, CNN)
     with pytest.raises(ModelSpecError, match="importing it runs its code: name it yourself with --model os:system"):
         build_model("os:system", "cifar10", 0.25, command="true")
+
+
+def test_trust_is_asked_on_every_check_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check's cache holds what a build gives, never a refusal for want of trust: a name the
+    user trusts after a first check (a CLI trusting --model) builds."""
+    from fedsim.models import ModelSpec
+    from fedsim.models.own import check_callable, trust_factory
+
+    spec = ModelSpec("tests.test_own_models:wrong_classes", "cifar10", 0.25)
+    monkeypatch.setenv(TRUSTED_FACTORIES_ENV, "")
+    assert "name it yourself with --model tests.test_own_models:wrong_classes" in (check_callable(spec) or "")
+    trust_factory(spec.name)
+    assert "returns shape (2, 7) for 2 images" in (check_callable(spec) or "")

@@ -1,5 +1,5 @@
 """Stochastic depth (timm's ``drop_path_rate``) as a second mask (fedsim.models.dropout.MaskedDropPath):
-timm's ``DropPath`` modules are swapped for it (fedsim/models/own.py), one keep-or-drop per image of
+timm's ``DropPath`` modules are swapped for it (fedsim/models/own/swap.py), one keep-or-drop per image of
 shape (B, 1, ..., 1) at each layer's own rate, so the client samples timm's own draws and records them,
 a replay of the recorded masks gives the recorded pass (output and gradient), the engine's per-job
 terms equal plain autograd with learned drop-path masks, and DIA learns them end to end."""

@@ -1,13 +1,13 @@
-"""Data for the leakage audit: dataset specs and normalization, loading (with real offline
-fallbacks, Hugging Face datasets), client partitions (Flower Datasets), victim sampling and the
-paper's victim files (fetched by URL, hash-pinned)."""
+"""Data for the leakage audit: the dataset table (``catalog``), dataset specs and normalization,
+loading (with real offline fallbacks, Hugging Face datasets), client partitions (Flower Datasets),
+victim sampling and the paper's victim files (fetched by URL, hash-pinned)."""
 
+from .catalog import DATASETS, DatasetEntry, canonical_name, dataset_entry, get_spec, load_dataset
 from .datasets import (
     DataUnavailableError,
     ImageTensorDataset,
     VictimFileError,
     dataset_labels,
-    load_dataset,
     load_victim_file,
     synthetic_dataset,
 )
@@ -20,10 +20,8 @@ from .normalization import (
     MNIST_STD,
     DatasetSpec,
     box_bounds,
-    canonical_name,
     denormalize,
     denormalize_stats,
-    get_spec,
     normalize,
 )
 from .partition import (
@@ -38,6 +36,9 @@ from .partition import (
 from .victim_sets import PAPER_VICTIMS, paper_victims, paper_victims_path
 
 __all__ = [
+    "DATASETS",
+    "DatasetEntry",
+    "dataset_entry",
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "IMAGENET_MEAN",

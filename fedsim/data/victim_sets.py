@@ -19,49 +19,24 @@ import hashlib
 import os
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fedsim.atomic import atomic_write
 from fedsim.net import call_with_deadline
 
+# The victim sets are entries of the dataset table; PAPER_VICTIMS is re-exported from here, where it
+# has always been read (and where tests pin it).
+from .catalog import PAPER_VICTIMS, VictimSet
 from .errors import VictimFileError
 
 # The authors' repository at the commit the paper's victims were taken from; github.com resolves the
-# short commit id. The hashes below, not the URL, are what make the files the paper's.
+# short commit id. The hashes pinned in the dataset table, not the URL, are what make the files the paper's.
 DEFAULT_BASE_URL = "https://github.com/dAI-SY-Group/DropoutInversionAttack/raw/aa5c00c/data/"
 FOLDER = "dia-victims"
 OFFLINE_ENV = "DLA_OFFLINE"
 URL_ENV = "DLA_VICTIMS_URL"
 FETCH_TIMEOUT_S = 20.0
 _MAX_BYTES = 16 * 2**20  # both files are under 2 MB: anything far larger is not them
-
-
-@dataclass(frozen=True)
-class VictimSet:
-    dataset: str
-    filename: str
-    sha256: str
-    shape: tuple[int, int, int, int]
-
-
-PAPER_VICTIMS: dict[str, VictimSet] = {
-    s.dataset: s
-    for s in (
-        VictimSet(
-            "mnist",
-            "MNIST_128.tdump",
-            "6bc361169e1a06e661e9078507b8513ea4971410d34c2fcf185719242974c8e2",
-            (128, 1, 28, 28),
-        ),
-        VictimSet(
-            "cifar10",
-            "CIFAR10_128.tdump",
-            "b0d591f982736658802f61e311b89679b4f113b1f8bfd0c3e5e406dd7ad6dd74",
-            (128, 3, 32, 32),
-        ),
-    )
-}
 
 
 def downloads_allowed() -> bool:

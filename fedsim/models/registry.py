@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedsim.data.catalog import DATASETS
+
 from . import own
 from .errors import ModelSpecError
 from .lenet import LeNet
@@ -21,14 +23,8 @@ from .mlp import MLP
 from .resnet import NORMS, STEMS, build_resnet18
 from .vit import ViT
 
-# (channels, image size, classes) per dataset, as the models see it.
-DATASET_SHAPES: dict[str, tuple[int, int, int]] = {
-    "mnist": (1, 28, 10),
-    "cifar10": (3, 32, 10),
-    "imagenet": (3, 224, 1000),
-}
-
 VIT_B16 = dict(patch_size=16, dim=768, depth=12, heads=12, dim_head=64, mlp_dim=3072)
+VIT_B16_IMAGE_SIZE = 224  # ImageNet's: the size its position embeddings are made for
 
 
 @dataclass(frozen=True)
@@ -51,24 +47,24 @@ class ModelSpec:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        channels, size, _ = DATASET_SHAPES[self.dataset]
-        if model_family(self.name).three_channel:
-            channels = 3
-        return (channels, size, size)
+        """(channels, size, size) as the model sees the dataset (the dataset table's entry)."""
+        entry = DATASETS[self.dataset]
+        channels = 3 if model_family(self.name).three_channel else entry.channels[0]
+        return (channels, entry.image_size, entry.image_size)
 
     @property
     def num_classes(self) -> int:
-        return DATASET_SHAPES[self.dataset][2]
+        return DATASETS[self.dataset].num_classes
 
 
 def _check_vit(spec: ModelSpec) -> str | None:
     patch = spec.options.get("patch_size", 4)
-    size = DATASET_SHAPES[spec.dataset][1]
+    size = DATASETS[spec.dataset].image_size
     return f"vit patch size {patch} does not divide the {spec.dataset} image size {size}" if size % patch else None
 
 
 def _check_vit_b16(spec: ModelSpec) -> str | None:
-    if spec.dataset != "imagenet":
+    if DATASETS[spec.dataset].image_size != VIT_B16_IMAGE_SIZE:
         return "vit_b16 takes 224x224 ImageNet images; use 'vit' for MNIST and CIFAR-10"
     return None
 
@@ -143,7 +139,7 @@ MODELS: dict[str, ModelFamily] = {
             attack_family="resnet",
             group_caps={"cpu": 16, "gpu": 64},
         ),
-        # Your own model (own.py): any name with a ':' resolves to one of these (model_family); the
+        # Your own model (own/): any name with a ':' resolves to one of these (model_family); the
         # attack settings are the profile's generic entry, and there is no group cap of its own.
         ModelFamily(own.CALLABLE_KEY, own.from_callable, None, check=own.check_callable),
         ModelFamily(own.TIMM_KEY, own.from_timm, None, check=own.check_timm),
@@ -162,8 +158,8 @@ def model_family(name: str) -> ModelFamily:
 
 def validate_spec(spec: ModelSpec) -> None:
     family = model_family(spec.name)
-    if spec.dataset not in DATASET_SHAPES:
-        raise ModelSpecError(f"unknown dataset {spec.dataset!r}; choose from {sorted(DATASET_SHAPES)}")
+    if spec.dataset not in DATASETS:
+        raise ModelSpecError(f"unknown dataset {spec.dataset!r}; choose from {sorted(DATASETS)}")
     if isinstance(spec.p, bool) or not isinstance(spec.p, (int, float)) or not 0.0 <= spec.p < 1.0:
         raise ModelSpecError(f"dropout rate p must be a number in [0, 1), got {spec.p!r}")
     unknown = set(spec.options) - family.options if family.options is not None else set()
