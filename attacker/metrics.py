@@ -247,6 +247,7 @@ class LpipsScorer:
         self.download_timeout = download_timeout
         self.device = torch.device(device) if device is not None else None
         self.unavailable_reason: str | None = None
+        self.unavailable_cause: str | None = None
         self._model: torch.nn.Module | None = None
         self._loaded = False
 
@@ -279,6 +280,10 @@ class LpipsScorer:
 
     def _mark_unavailable(self, path: Path, reason: str) -> None:
         global _lpips_warned
+        # the cause in one sentence (a report's line), beside the whole message with its advice
+        self.unavailable_cause = (
+            f"the ImageNet weights of the '{self.net}' backbone ({path.name}) are not in {path.parent} and {reason}"
+        )
         self.unavailable_reason = LPIPS_UNAVAILABLE_MESSAGE.format(
             net=self.net, filename=path.name, directory=path.parent, reason=reason
         )

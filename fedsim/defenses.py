@@ -268,6 +268,7 @@ def privacy_spent(cfg: Mapping[str, Any], rounds: int, sampled: int, population:
         "delta": delta,
         "guarantee": defense.accounted,
         "accountant": "flwr RdpAccountant (no amplification)",
+        "accountant_name": "flwr RdpAccountant",  # the name alone, for a sentence (attacker audit)
     }
     if defense.per_round_epsilon is not None:
         out["per_round"] = {"epsilon": defense.per_round_epsilon(cfg), "delta": delta}

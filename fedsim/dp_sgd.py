@@ -385,6 +385,7 @@ def privacy_summary(cfg: Mapping[str, Any], client_epsilon: Mapping[int, Mapping
         "target_epsilon": float(cfg["dp-epsilon"]) if cfg["dp-noise-from"] == "epsilon" else None,
         "guarantee": "client",
         "accountant": "opacus RDPAccountant (Poisson sampling in training rounds; capture rounds: q = 1)",
+        "accountant_name": "opacus RDPAccountant",  # the name alone, for a sentence (attacker audit)
         "epsilon": worst,
         "per_client": {str(k): v for k, v in sorted(last.items())},
         "per_round": {str(r): max(v.values()) for r, v in sorted(client_epsilon.items()) if v},

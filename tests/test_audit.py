@@ -148,7 +148,12 @@ def test_the_setting_states_the_epsilon_the_run_spent(tmp_path: Path) -> None:
     """Under DP-SGD the report says the epsilon the clients' accountant reported (results.json)."""
     base = {"defense": "dp-sgd", "defense_short": "defense dp-sgd", "defense_text": "defense dp-sgd: the update"}
     assert with_privacy_spent(base, tmp_path) == base  # no results.json yet: the run is still going
-    privacy = {"epsilon": 7.9915, "delta": 1e-5, "accountant": "opacus RDPAccountant (Poisson sampling)"}
+    privacy = {
+        "epsilon": 7.9915,
+        "delta": 1e-5,
+        "accountant": "opacus RDPAccountant (Poisson sampling)",
+        "accountant_name": "opacus RDPAccountant",  # as fedsim.dp_sgd writes it: the name apart, for a sentence
+    }
     (tmp_path / "results.json").write_text(json.dumps({"privacy": privacy}))
     setting = with_privacy_spent(base, tmp_path)
     assert setting["privacy"]["epsilon"] == pytest.approx(7.9915)
