@@ -113,6 +113,7 @@ DATASETS: dict[str, DatasetEntry] = {
 # The paper's victim sets by dataset (victim_sets reads and tests pin this one dict).
 PAPER_VICTIMS: dict[str, VictimSet] = {e.name: e.victims for e in DATASETS.values() if e.victims is not None}
 
+
 def canonical_name(name: str) -> str:
     """Map a user-facing dataset name (its table name or an alias, any case) to its table name."""
     key = name.strip().lower()

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +40,76 @@ if TYPE_CHECKING:
     import datasets
 
 BUILTIN = "builtin"
-SOURCE_KINDS = ("builtin", "hf:NAME[:CONFIG]", "imagefolder:PATH")
 HUB_URL = "https://huggingface.co"
 _TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a data source's images are, as ``datasets.load_dataset`` takes it, and what to tell a user."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    offline: bool  # read the local cache only
+    where: str  # the source in words
+    hint: str  # how to get it, when it is missing
+    hint_for_splits: bool = False  # the hint also says how to lay out a missing split
+
+
+def _hf_parse(rest: str) -> tuple[str, str | None] | None:
+    if not rest.strip(":"):
+        return None
+    name, _, config = rest.partition(":")
+    return name, config or None
+
+
+def _hf_locate(name: str, config: str | None, download: bool, timeout_s: float) -> Located:
+    offline = env_offline() or not download or not url_reachable(HUB_URL, timeout_s)
+    hint = (
+        f"the machine is offline and it is not in the Hugging Face cache; get it where the network allows "
+        f"with: python -c \"import datasets; datasets.load_dataset('{name}'"
+        + (f", '{config}'" if config else "")
+        + ')" (it lands in the cache, HF_HOME or HF_DATASETS_CACHE, which offline runs read), or save its '
+        "images as an image folder and use data-source imagefolder:PATH"
+        if offline
+        else "check the name on the Hub (and HF_TOKEN for a gated dataset)"
+    )
+    where = f"Hugging Face dataset {name}" + (f" ({config})" if config else "")
+    return Located((name, config) if config else (name,), {}, offline, where, hint)
+
+
+def _folder_parse(rest: str) -> tuple[str, str | None] | None:
+    return (rest, None) if rest else None
+
+
+def _folder_locate(name: str, config: str | None, download: bool, timeout_s: float) -> Located:
+    folder = Path(name).expanduser()
+    hint = (
+        f"put the images as {folder}/train/<class>/*.png and {folder}/test/<class>/*.png (or a "
+        f"metadata.csv with file_name,label in each split folder)"
+    )
+    if not folder.is_dir():
+        raise DataUnavailableError(f"image folder {folder} does not exist; {hint}")
+    # a local folder: nothing to fetch
+    return Located(("imagefolder",), {"data_dir": str(folder)}, True, f"image folder {folder}", hint, True)
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One kind of ``data-source`` (``KIND:...``): its form in messages, how the rest of the text
+    parses (None: malformed) and where its images are."""
+
+    form: str
+    parse: Callable[[str], tuple[str, str | None] | None]
+    locate: Callable[[str, str | None, bool, float], Located]
+
+
+# A new data source is one entry here.
+DATA_SOURCES: dict[str, DataSource] = {
+    "hf": DataSource("hf:NAME[:CONFIG]", _hf_parse, _hf_locate),
+    "imagefolder": DataSource("imagefolder:PATH", _folder_parse, _folder_locate),
+}
+SOURCE_KINDS = (BUILTIN, *(source.form for source in DATA_SOURCES.values()))
 
 
 def parse_source(text: str) -> tuple[str, str, str | None]:
@@ -51,12 +119,10 @@ def parse_source(text: str) -> tuple[str, str, str | None]:
     if text in ("", BUILTIN):
         return BUILTIN, "", None
     kind, sep, rest = text.partition(":")
-    if sep and kind == "hf" and rest.strip(":"):
-        name, _, config = rest.partition(":")
-        return "hf", name, config or None
-    if sep and kind == "imagefolder" and rest:
-        return "imagefolder", rest, None
-    raise ValueError(f"data-source must be one of {', '.join(SOURCE_KINDS)}; got {text!r}")
+    parsed = DATA_SOURCES[kind].parse(rest) if sep and kind in DATA_SOURCES else None
+    if parsed is None:
+        raise ValueError(f"data-source must be one of {', '.join(SOURCE_KINDS)}; got {text!r}")
+    return kind, parsed[0], parsed[1]
 
 
 def env_offline() -> bool:
@@ -183,31 +249,8 @@ def load_hf(
     Raises DataUnavailableError with one line saying what is missing and how to get it."""
     kind, name, config = parse_source(source)
     split_word = "train" if train else "test"
-    if kind == "imagefolder":
-        folder = Path(name).expanduser()
-        hint = (
-            f"put the images as {folder}/train/<class>/*.png and {folder}/test/<class>/*.png (or a "
-            f"metadata.csv with file_name,label in each split folder)"
-        )
-        if not folder.is_dir():
-            raise DataUnavailableError(f"image folder {folder} does not exist; {hint}")
-        args: tuple[Any, ...] = ("imagefolder",)
-        kwargs: dict[str, Any] = {"data_dir": str(folder)}
-        offline = True  # a local folder: nothing to fetch
-        where = f"image folder {folder}"
-    else:
-        args, kwargs = (name, config) if config else (name,), {}
-        offline = env_offline() or not download or not url_reachable(HUB_URL, timeout_s)
-        where = f"Hugging Face dataset {name}" + (f" ({config})" if config else "")
-        hint = (
-            f"the machine is offline and it is not in the Hugging Face cache; get it where the network allows "
-            f"with: python -c \"import datasets; datasets.load_dataset('{name}'"
-            + (f", '{config}'" if config else "")
-            + ')" (it lands in the cache, HF_HOME or HF_DATASETS_CACHE, which offline runs read), or save its '
-            "images as an image folder and use data-source imagefolder:PATH"
-            if offline
-            else "check the name on the Hub (and HF_TOKEN for a gated dataset)"
-        )
+    found = DATA_SOURCES[kind].locate(name, config, download, timeout_s)
+    args, kwargs, offline, where, hint = found.args, found.kwargs, found.offline, found.where, found.hint
     import datasets
 
     try:
@@ -222,7 +265,7 @@ def load_hf(
     if split is None:
         raise DataUnavailableError(
             f"{where} has no {split_word} split (splits: {', '.join(splits)}); "
-            + (hint if kind == "imagefolder" else "choose a dataset with train and test splits")
+            + (hint if found.hint_for_splits else "choose a dataset with train and test splits")
         )
     try:
         return HFImageDataset(splits[split], spec, f"{where}, split {split}")
