@@ -4,7 +4,7 @@ A thin layer over the attack pipeline: it runs the attacks on the run's captures
 (``pipeline.run_attack``, into the audit folder), or reuses a finished attack run of the same captures
 found there, then scores every audited image against the oracle with the same scorer as the run
 (``metrics.score_batch``), keeps per image the best of the attacks a real server can run (IG, DIA, ...;
-never WIIG, which replays the clients' true masks and is reported apart as the oracle's upper bound),
+never WIIG, which replays the clients' true masks and is reported apart as the optimization's bound with the oracle),
 and writes ``audit.md``, ``audit.json`` and ``audit_grid.png`` beside the attack run's own files.
 """
 
