@@ -325,6 +325,10 @@ def _apply_args(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         victims.pop("file", None)
     if args.captures:
         victims["source"], victims["captures"] = "captures", args.captures
+    if victims.get("source") == "captures":
+        # the captures name their own model and options; --model only allows importing it (as audit's)
+        for key in ("model", "model_options"):
+            victims.pop(key, None)
     data = dict(data, victims=victims)
     if args.attacks:
         data["attacks"] = args.attacks
