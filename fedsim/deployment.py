@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -82,7 +82,17 @@ def project_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+# How often a SuperLink or SuperNode is restarted on another port when it lost its port to another
+# process between free_ports() and its own bind (another deployment starting at the same moment).
+PORT_ATTEMPTS = 3
+# What uvicorn logs when its bind fails because the port is taken (errno EADDRINUSE).
+_PORT_TAKEN = re.compile(r"address already in use|errno 98|errno 48", re.IGNORECASE)
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that are free now. Another process may still bind one before the server
+    meant for it does: :meth:`LocalDeployment.start` checks that the listener on each port is its own
+    process and restarts that process on another port when it lost the race."""
     socks, ports = [], []
     try:
         for _ in range(n):
@@ -94,6 +104,38 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         for s in socks:
             s.close()
     return ports
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the IPv4 TCP sockets listening on ``port`` (Linux /proc/net/tcp); None where that
+    table cannot be read (then only a connection tells that something listens)."""
+    try:
+        rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    inodes = set()
+    for row in rows:
+        # sl, local_address (HEXIP:HEXPORT), rem_address, st (0A: LISTEN), ..., inode (the tenth field)
+        fields = row.split()
+        if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            inodes.add(fields[9])
+    return inodes
+
+
+def _holds_socket(pid: int, inodes: set[str]) -> bool:
+    """True when process ``pid`` has one of the sockets ``inodes`` open (Linux /proc/PID/fd)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[len("socket:[") : -1] in inodes:
+            return True
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -302,9 +344,9 @@ class LocalDeployment:
         self.seen_pids.add(proc.pid)
         return proc
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, ignore: Iterable[str] = ()) -> None:
         for name, proc in self.procs.items():
-            if name != "flwr-run" and proc.poll() is not None:
+            if name != "flwr-run" and name not in ignore and proc.poll() is not None:
                 raise DeploymentError(
                     f"{name} exited with code {proc.returncode}; see {self.log_dir / (name + '.log')}:\n"
                     + self.log_tail(name)
@@ -316,31 +358,70 @@ class LocalDeployment:
         except OSError:
             return ""
 
-    def _wait_for_port(self, port: int, timeout: float) -> None:
+    def _listens(self, name: str, port: int) -> bool:
+        """True once process ``name`` itself listens on ``port``; where the socket table cannot be
+        read, once anything answers there."""
+        inodes = _listening_inodes(port)
+        if inodes is not None:
+            return bool(inodes) and _holds_socket(self.procs[name].pid, inodes)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    def _wait_for_ports(self, ports: Mapping[str, int], timeout: float) -> list[str]:
+        """Wait until each process of ``ports`` (name: port) listens on its port. Returns the names of
+        those that exited because another process had bound their port first; any other exit, of
+        these or of the processes already running, is a DeploymentError."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._check_alive()
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.settimeout(0.5)
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return
-            time.sleep(0.2)
-        raise DeploymentError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+        waiting, lost = dict(ports), []
+        while True:
+            for name, port in list(waiting.items()):
+                if self.procs[name].poll() is not None and _PORT_TAKEN.search(self.log_tail(name, 50)):
+                    lost.append(name)
+                    del waiting[name]
+                elif self._listens(name, port):
+                    del waiting[name]
+            self._check_alive(ignore=lost)
+            if not waiting:
+                return lost
+            if time.monotonic() > deadline:
+                where = ", ".join(f"{name} on 127.0.0.1:{port}" for name, port in waiting.items())
+                raise DeploymentError(f"nothing listens after {timeout} s: {where}")
+            time.sleep(0.1)
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start the SuperLink, register node keys (if any), start the SuperNodes."""
+        """Start the SuperLink, register node keys (if any), start the SuperNodes.
+
+        A process whose port was taken (another program bound it after :func:`free_ports` picked it)
+        is started again on another port, up to :data:`PORT_ATTEMPTS` times."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        ports = free_ports(1 + self.num_clients)
-        self.superlink_port, node_ports = ports[0], ports[1:]
-        self._write_flwr_config()
-        self._spawn("superlink", self.superlink_command())
-        self._wait_for_port(self.superlink_port, timeout)
+        self._start_on_free_ports({"superlink": self._superlink_on}, timeout)
         for key in self.node_keys:
             self.flwr("supernode", "register", str(key.with_name(key.name + ".pub")), CONNECTION)
-        for i, port in enumerate(node_ports):
-            self._spawn(f"supernode-{i}", self.supernode_command(i, port))
-        for port in node_ports:
-            self._wait_for_port(port, timeout)
+        self._start_on_free_ports(
+            {f"supernode-{i}": lambda port, i=i: self.supernode_command(i, port) for i in range(self.num_clients)},
+            timeout,
+        )
+
+    def _superlink_on(self, port: int) -> list[str]:
+        self.superlink_port = port
+        self._write_flwr_config()
+        return self.superlink_command()
+
+    def _start_on_free_ports(self, commands: Mapping[str, Callable[[int], list[str]]], timeout: float) -> None:
+        """Spawn each process of ``commands`` (name: its command line for a port) on a free port and
+        wait until all listen; restart those that lost their port on new ones."""
+        pending = list(commands)
+        for _ in range(PORT_ATTEMPTS):
+            ports = dict(zip(pending, free_ports(len(pending))))
+            for name, port in ports.items():
+                self._spawn(name, commands[name](port))
+            pending = self._wait_for_ports(ports, timeout)
+            if not pending:
+                return
+            for name in pending:  # its log says so; kept beside the next attempt's
+                (self.log_dir / f"{name}.log").replace(self.log_dir / f"{name}.port-{ports[name]}-taken.log")
+        raise DeploymentError(f"{', '.join(pending)} found its port taken {PORT_ATTEMPTS} times; see {self.log_dir}")
 
     def run(self, run_config: Mapping[str, Any], timeout: float = 600.0) -> DeployResult:
         """Submit the app with ``run_config`` (run config keys), stream it, return its final status."""

@@ -12,6 +12,25 @@ from typing import Any
 from fedsim import flower_env
 from fedsim.run_config import resolve_config
 
+# The CPUs the simulation's local Ray offers (and so how many clients run at once): the machine's,
+# unless this environment variable names fewer, e.g. for a test runner that runs several
+# simulations side by side on one machine (tests/conftest.py under pytest-xdist).
+RAY_CPUS_ENV = "FEDSIM_RAY_CPUS"
+
+
+def ray_num_cpus() -> int:
+    """The CPUs of the simulation's local Ray: ``FEDSIM_RAY_CPUS`` where set, else the machine's."""
+    value = os.environ.get(RAY_CPUS_ENV, "").strip()
+    if not value:
+        return os.cpu_count() or 1
+    try:
+        cpus = int(value)
+    except ValueError:
+        cpus = 0
+    if cpus < 1:
+        raise ValueError(f"{RAY_CPUS_ENV} must be a whole number of CPUs, at least 1; got {value!r}")
+    return cpus
+
 
 def new_run_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], Path]:
     """The resolved run config of a new run and its run folder, which must be new or empty (results
@@ -55,7 +74,7 @@ def run_simulation_job(
     backend_config = {
         # Flower's default is 2 CPUs per virtual client, which leaves one client at a time on 2 cores.
         "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
-        "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False},
+        "init_args": {"num_cpus": ray_num_cpus(), "include_dashboard": False},
     }
     # flwr 1.42's run_simulation warns on every call that it is deprecated in favour of `flwr run`:
     # Flower's legacy Python API warning about itself, nothing a user of this project can act on.

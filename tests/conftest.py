@@ -14,6 +14,36 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["DLA_OFFLINE"] = "1"
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+TORCH_THREADS = torch.get_num_threads()  # in the processes that run tests, set by _share_the_cores
+
+
+def _share_the_cores(workers: int) -> None:
+    """pytest-xdist (pyproject's addopts) runs the tests in several worker processes at once. Each
+    worker gets its share of the cores: its own torch threads, the subprocesses it starts (they
+    inherit the environment: the CLIs, the notebook kernels, Flower's processes) and the local Ray
+    of each simulation it runs (FEDSIM_RAY_CPUS: how many clients run at once). Otherwise two
+    workers run 2 x 2 intra-op threads and 2 x 2 Ray actors on 2 cores, and a thread that waits for
+    its descheduled sibling burns CPU: measured on the 2-core machine while others used it, 200
+    iterations of IG on 8 MNIST victims took 20 s of CPU with 2 threads and 1.9 s with 1.
+    A value the user set is kept."""
+    global TORCH_THREADS
+    share = str(max(1, _cores() // workers))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "FEDSIM_RAY_CPUS"):
+        os.environ.setdefault(name, share)
+    try:
+        TORCH_THREADS = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except ValueError:  # e.g. OpenMP's nested form "2,1": torch has read it itself
+        TORCH_THREADS = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+
+
 def paper_victims_or_skip(dataset: str) -> Path:
     """The paper's victims of ``dataset`` from the project's data folder (where `make victims` puts
     them, or CI copies them), verified; the test is skipped with the reason when they are absent."""
@@ -31,11 +61,82 @@ def paper_victims_or_skip(dataset: str) -> Path:
 
 def pytest_configure(config: pytest.Config) -> None:
     flower_env.apply()  # Flower's environment before any test module imports flwr (importing fedsim does it too)
+    # Before the test modules are imported (some copy os.environ for their subprocesses). Not in
+    # pytest-xdist's controller, which runs no test: its workers, which inherit its environment, do it.
+    if hasattr(config, "workerinput"):
+        _share_the_cores(int(config.workerinput["workercount"]))
+    elif not getattr(config.option, "numprocesses", None):
+        _share_the_cores(1)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core, at least 2 (much of the suite waits on processes starting:
+    Ray, Flower's SuperLink and SuperNodes, the CLIs, so two overlap even on one core) and at most 4
+    (each worker imports torch, Flower and Ray for itself, and runs its own Ray per simulation)."""
+    return min(4, max(2, _cores()))
+
+
+# Scheduling (pytest-xdist's --dist loadgroup, pyproject's addopts): each group runs on one worker.
+# A test is in its module's group, so that a module-scoped federation fixture runs once (as with
+# --dist loadfile), except the slow tests below: each is a group of its own, so that they spread
+# over the workers. Groups start in this order, slowest first, then the modules in collection order,
+# so that what starts last is short. Approximate seconds on 2 cores with 2 workers in the comments;
+# a test missing here only runs later than it could.
+SLOW_FIRST = [
+    "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 4 Ray federations
+    "tests/test_reliability.py::test_sigkilled_attack_resumes_to_the_uninterrupted_result",  # 3 attack processes
+    "tests/test_notebook.py::test_walkthrough_notebook_executes",
+    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",
+    "tests/test_deployment.py::test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures",
+    "tests/test_deployment.py::test_cli_deploy_local_with_tls_and_supernode_auth",
+    "tests/test_faults.py::test_one_round_with_100_clients_all_captured",
+    "tests/test_reproduction.py",
+    "tests/test_stochastic_depth.py",
+    "tests/test_own_models.py",
+    "tests/test_commands.py::test_fedsim_deploy_local",
+    "tests/test_commands.py::test_fedsim_sweep",
+    "tests/test_commands.py::test_attacker_demo",
+    "tests/test_commands.py",
+    "tests/test_simulation.py",
+    "tests/test_experiments.py",
+    "tests/test_replay_batched.py",
+    "tests/test_defenses.py",
+    "tests/test_engine.py",
+    "tests/test_fedavg.py",
+    "tests/test_faults.py",
+    "tests/test_dp_sgd.py",
+    "tests/test_deployment.py",
+    "tests/test_live.py",
+    "tests/test_paper_victims.py",
+    "tests/test_cli.py",
+]
+
+
+def _group(nodeid: str) -> tuple[int, str]:
+    """(rank, group) of a test: its entry of SLOW_FIRST (a test's own, else its module's), else its module."""
+    module = nodeid.split("::", 1)[0]
+    for rank, entry in enumerate(SLOW_FIRST):
+        if nodeid == entry or (nodeid.startswith(entry + "[")) or entry == module:
+            return rank, entry
+    return len(SLOW_FIRST), module
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ranked = []
+    for index, item in enumerate(items):
+        rank, group = _group(item.nodeid)
+        if not any(True for _ in item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(group))
+        ranked.append((rank, index, item))
+    items[:] = [item for _, _, item in sorted(ranked, key=lambda r: r[:2])]
 
 
 @pytest.fixture(autouse=True)
 def _quiet_and_deterministic():
     torch.manual_seed(0)
+    if torch.get_num_threads() != TORCH_THREADS:  # a test before this one changed it
+        torch.set_num_threads(TORCH_THREADS)
     warnings.filterwarnings("ignore", module="lightning")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)

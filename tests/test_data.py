@@ -206,7 +206,7 @@ def test_missing_dataset_without_fallback_raises(tmp_path, monkeypatch, name, wh
 def test_download_attempt_cannot_hang(tmp_path, monkeypatch):
     release = threading.Event()
 
-    def stalled_urlopen(*args, **kwargs):  # a server that never answers
+    def stalled_urlopen(*args, **kwargs):  # a server that never answers (for a minute)
         release.wait(60)
         raise OSError("released")
 
@@ -216,7 +216,9 @@ def test_download_attempt_cannot_hang(tmp_path, monkeypatch):
         data = load_dataset("mnist", tmp_path, download=True, timeout_s=0.3)
     finally:
         release.set()
-    assert time.monotonic() - start < 5
+    # Waiting for the stalled server takes a minute; giving up at the 0.3 s deadline and reading the
+    # offline sample instead takes seconds, well under this bound even on a busy machine.
+    assert time.monotonic() - start < 20
     assert len(data) == 4000
 
 

@@ -19,7 +19,7 @@ import pytest
 from fedsim import task
 from fedsim.capture import list_captures, list_oracles, load_capture
 from fedsim.data import DataUnavailableError
-from fedsim.deployment import COMPLETED, LocalDeployment, _alive, marked_pids
+from fedsim.deployment import COMPLETED, CONNECTION, LocalDeployment, _alive, marked_pids
 from fedsim.run_config import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +97,47 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
     # the CLI's connection lived in a private FLWR_HOME, with the real SuperLink address
     conf = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
     assert f'address = "127.0.0.1:{dep.superlink_port}"' in conf and "insecure = true" in conf
+
+
+def test_a_port_taken_before_the_process_binds_it_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another program binds the port free_ports picked before the SuperLink (or a SuperNode) does,
+    as a deployment starting at the same moment may: the deployment does not take that program for
+    its own server, it restarts the process that lost its port on another one, and the CLI and the
+    SuperNodes use the new address."""
+    import socket
+
+    import fedsim.deployment as deployment
+
+    real_free_ports = deployment.free_ports
+    calls: list[list[int]] = []
+    squatters: dict[int, socket.socket] = {}
+
+    def free_ports_taken_first(n: int, host: str = "127.0.0.1") -> list[int]:
+        calls.append(real_free_ports(n, host))
+        if len(calls) in (1, 3):  # the SuperLink's first port, then the SuperNode's first port
+            port = calls[-1][0]
+            squatters[port] = socket.socket()
+            squatters[port].bind((host, port))
+            squatters[port].listen()
+        return calls[-1]
+
+    monkeypatch.setattr(deployment, "free_ports", free_ports_taken_first)
+    try:
+        with LocalDeployment(1, tmp_path / "work") as dep:
+            link_taken, node_taken = squatters
+            assert len(calls) == 4 and dep.superlink_port == calls[1][0] != link_taken
+            assert all(dep.procs[name].poll() is None for name in ("superlink", "supernode-0"))
+            assert f"127.0.0.1:{dep.superlink_port}" in dep.procs["supernode-0"].args
+            assert str(node_taken) not in dep.procs["supernode-0"].args
+            for lost in (f"superlink.port-{link_taken}-taken.log", f"supernode-0.port-{node_taken}-taken.log"):
+                assert "address already in use" in (dep.log_dir / lost).read_text(), lost
+            conf = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
+            assert f'address = "127.0.0.1:{dep.superlink_port}"' in conf
+            dep.flwr("ls", CONNECTION, "--format", "json")  # the CLI reaches this deployment's SuperLink
+    finally:
+        for squatter in squatters.values():
+            squatter.close()
+    assert [pid for pid in dep.seen_pids if _alive(pid)] == [] and marked_pids(dep.marker) == []
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make the TLS certificates")

@@ -345,14 +345,6 @@ def test_cells_on_ray_equal_the_sequential_run(
     assert "0 run, 4 already finished" in capsys.readouterr().out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ray_flags_that_cannot_work_are_refused_before_anything_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -375,21 +367,27 @@ def test_ray_flags_that_cannot_work_are_refused_before_anything_runs(
 
 
 def test_unreachable_ray_address_is_a_quick_user_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import socket
     import time
 
     config = tmp_path / "four.yaml"
     config.write_text(FOUR)
     out = tmp_path / "out"
-    port = _free_port()  # nothing listens there
-    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
-        started = time.monotonic()
-        assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", address]) == 2
-        printed = capsys.readouterr().out
-        assert time.monotonic() - started < 10
-        assert (
-            printed.startswith(f"error: cannot reach the Ray cluster at 127.0.0.1:{port}") and printed.count("\n") == 1
-        )
-        assert not out.exists()  # refused before any work
+    # Bound but not listening: a connection is refused, and no other process (another test worker's
+    # Ray or SuperLink) can take the port while the test runs.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+            started = time.monotonic()
+            assert main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", address]) == 2
+            printed = capsys.readouterr().out
+            assert time.monotonic() - started < 10  # the probe's own deadline is 10 s: refused at once
+            assert (
+                printed.startswith(f"error: cannot reach the Ray cluster at 127.0.0.1:{port}")
+                and printed.count("\n") == 1
+            )
+            assert not out.exists()  # refused before any work
 
 
 def test_a_ray_address_that_never_answers_times_out(tmp_path: Path) -> None:
@@ -432,7 +430,9 @@ def test_a_ray_address_that_never_answers_times_out(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"error: could not connect to the Ray cluster at {address} within 2 s"), proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert time.monotonic() - started < 60
+    # The process's start (Python, torch, Ray imports: a minute at worst on a busy 2-core machine with
+    # other test workers) and the 2 s deadline; ray.init's own wait on a silent port is minutes.
+    assert time.monotonic() - started < 100
 
 
 @pytest.mark.parametrize("ask", ["gpus", "cpus"])
@@ -455,7 +455,9 @@ def test_resources_no_node_offers_are_refused_right_after_connecting(
         main(["experiment", str(config), *FOUR_ARGS, "--out", str(out), "--ray", "--ray-local-cpus", "1", *flags]) == 2
     )
     printed = capsys.readouterr().out
-    assert time.monotonic() - started < 45  # a local Ray's start and stop, nothing more
+    # A local Ray's start and stop, nothing more (up to a minute on a busy 2-core machine with other
+    # test workers); Ray itself would wait for resources no node has for ever.
+    assert time.monotonic() - started < 120
     assert printed.startswith("error: a local Ray (1 node(s), 1 CPU(s)") and printed.count("\n") == 1, printed
     assert f"no node has that many {ask[:3].upper()}s" in printed
     assert not (out / "cells").exists()

@@ -272,3 +272,16 @@ def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: 
     assert sum("[ROUND 1/1]" in line for line in lines) == 1, text[-3000:]
     assert sum("Starting CuriousStrategy strategy" in line for line in lines) == 1
     assert [a for a, b in zip(lines, lines[1:]) if a == b] == [], text[-3000:]
+
+
+def test_ray_cpus_are_the_machines_unless_the_environment_names_fewer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedsim.simulation import RAY_CPUS_ENV, ray_num_cpus
+
+    monkeypatch.delenv(RAY_CPUS_ENV, raising=False)
+    assert ray_num_cpus() == (os.cpu_count() or 1)
+    monkeypatch.setenv(RAY_CPUS_ENV, " 1 ")
+    assert ray_num_cpus() == 1
+    for bad in ("0", "-2", "1.5", "all"):
+        monkeypatch.setenv(RAY_CPUS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{RAY_CPUS_ENV} must be a whole number of CPUs, at least 1; got '{bad}'"):
+            ray_num_cpus()
