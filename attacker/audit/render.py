@@ -116,9 +116,9 @@ def markdown(audit: dict[str, Any]) -> str:
     if len(summary["server_attacks"]) > 1:
         alone = " (each alone: " + ", ".join(f"{label(a)} {n}" for a, n in summary["recognisable_alone"].items()) + ")"
     oracle_line = (
-        f"{label(bound['attack'])} (the optimization's bound with the oracle: it replays the clients' true dropout masks, which "
-        "only this simulation's audit mode recorded; a real server has no oracle, so it never counts as the "
-        "best attack and is reported apart)"
+        f"{label(bound['attack'])} (the optimization's bound with the oracle: it replays the clients' true "
+        "dropout masks, which only this simulation's audit mode recorded; a real server has no oracle, so it "
+        "never counts as the best attack and is reported apart)"
         if bound
         else "no oracle attack"
     )
