@@ -1,0 +1,165 @@
+"""Secure aggregation (``secagg``): Flower's SecAgg+ workflow and mod, the whole protocol run in this
+process (``flower_harness.AppGrid`` hands every message to the ClientApp with its mods), and what the
+curious server can capture under it: one aggregate per round, the weighted mean of the clients' plain
+replies within the quantization step it states, never one client's reply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flower_harness import AppGrid, offline_config, set_task_identity
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from fedsim.capture import find_oracles, list_captures, list_oracles, load_capture, load_oracle
+from fedsim.client_app import handle_train
+from fedsim.run_config import RunConfigError, resolve_config
+from fedsim.server_app import run_server
+
+NODES = [1111, 2222, 3333]
+# A fine quantization: weights unscaled beyond num_examples / max-weight, clipped to [-1, 1], 2**28 levels.
+FINE = {"max-weight": 4000.0, "clipping-range": 1.0, "quantization-range": 2**28}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def task_identity() -> None:
+    set_task_identity()
+
+
+def _secagg_run(run_dir: Path, fail: tuple[int, ...] = (), **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    cfg = offline_config(
+        {
+            "secagg": True,
+            "audit": True,
+            "num-clients": 3,
+            "num-server-rounds": 1,
+            "capture-rounds": "1",
+            "model-options": '{"width": 32}',
+            "run-dir": str(run_dir),
+            **extra,
+        }
+    )
+    return cfg, run_server(AppGrid(NODES, fail=fail), cfg)
+
+
+def _plain_reply(cfg: dict[str, Any], weights: dict[str, torch.Tensor], partition: int) -> Message:
+    """What the client would send without secure aggregation: its handler on the same round's message."""
+    sent = dict(cfg, **{"server-round": 1, "one-step": cfg["capture-kind"] == "gradient"})
+    sent["capture-update"] = cfg["capture-kind"] == "update"
+    msg = Message(
+        content=RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord(sent)}),
+        dst_node_id=NODES[partition],
+        message_type="train",
+    )
+    context = AppGrid(NODES).contexts[NODES[partition]]
+    return handle_train(msg, context)
+
+
+def _plain_mean(cfg: dict[str, Any], capture: Any, partitions: list[int]) -> tuple[list[dict], list[int]]:
+    """The clients' plain updates (global - local) and their num_examples."""
+    updates, weights = [], []
+    for part in partitions:
+        reply = _plain_reply(cfg, capture.weights, part)
+        local = reply.content["arrays"].to_torch_state_dict()
+        updates.append({k: capture.weights[k].double() - local[k].double() for k in capture.weights})
+        weights.append(int(reply.content["metrics"]["num-examples"]))
+    return updates, weights
+
+
+def test_the_aggregate_capture_is_the_weighted_mean_of_the_plain_replies_within_its_step(tmp_path: Path) -> None:
+    # Dirichlet partitions: the clients' weights (num_examples) differ; one local step of a FedAvg round.
+    cfg, summary = _secagg_run(
+        tmp_path / "run",
+        **{"capture-kind": "update", "partitioning": "dirichlet", "local-steps": 1, "batch-size": 16, **FINE},
+    )
+    assert summary["num_captures"] == 1 and summary["failures"] == []
+    (capture,) = [load_capture(p) for p in list_captures(tmp_path / "run")]
+    agg = capture.aggregate
+    assert capture.kind == "secagg-update" and agg.clients == [0, 1, 2] and agg.node_ids == NODES
+    updates, weights = _plain_mean(cfg, capture, [0, 1, 2])
+    assert agg.num_examples == weights and len(set(weights)) == 3 and capture.num_examples == sum(weights)
+    assert agg.quantization == {
+        "max_weight": 4000.0,
+        "clipping_range": 1.0,
+        "quantization_range": 2**28,
+        "modulus_range": 2**32,
+    }
+    for key in capture.param_names:
+        mean = sum(w * u[key] for w, u in zip(weights, updates)) / sum(weights)
+        error = (capture.update[key].double() - mean).abs().max().item()
+        size = mean.abs().max().item()
+        assert 0 < error <= agg.error_bound, key  # quantized (stochastic rounding), within one step per client
+        assert agg.error_bound < 1e-3 * size, key  # and the bound says something
+        # no capture holds one client's update: each is farther from the mean than the quantization
+        assert min((capture.update[key].double() - u[key]).abs().max().item() for u in updates) > 100 * agg.error_bound
+    # the oracle, kept apart, is each client's
+    assert [o.client for o in find_oracles(tmp_path / "run", capture)] == [0, 1, 2]
+
+
+def test_a_one_step_aggregate_is_the_batch_gradient_of_all_the_clients_images(tmp_path: Path) -> None:
+    cfg, _ = _secagg_run(tmp_path / "run", **{"victim-batch-size": 2, **FINE, "max-weight": 2.0})
+    (capture,) = [load_capture(p) for p in list_captures(tmp_path / "run")]
+    oracles = find_oracles(tmp_path / "run", capture)
+    assert capture.kind == "secagg-gradient" and capture.batch_size == 6 and capture.aggregate.images == [2, 2, 2]
+    assert torch.equal(capture.labels, torch.cat([o.labels for o in oracles]))  # known labels, in the images' order
+    updates, weights = _plain_mean(cfg, capture, [0, 1, 2])
+    lr = float(cfg["onestep-lr"])
+    for i, name in enumerate(capture.param_names):
+        mean = sum(w * u[name] for w, u in zip(weights, updates)) / sum(weights) / lr
+        error = (capture.gradient[i].double() - mean).abs().max().item()
+        assert error <= capture.aggregate.error_bound < 1e-3 * mean.abs().max().item()
+
+
+def test_a_client_that_drops_out_leaves_the_mean_of_the_others(tmp_path: Path) -> None:
+    # 3 shares, threshold 2: SecAgg+ reconstructs the dropped client's masks from the other two.
+    cfg, summary = _secagg_run(tmp_path / "run", fail=(3333,), **{**FINE, "max-weight": 1.0})
+    assert summary["rounds"][1]["num_replies"] == 2 and len(summary["failures"]) == 1
+    assert "dropped out" in summary["failures"][0]["reason"]
+    (capture,) = [load_capture(p) for p in list_captures(tmp_path / "run")]
+    assert capture.aggregate.clients == [0, 1] and capture.batch_size == 2
+    updates, _ = _plain_mean(cfg, capture, [0, 1])
+    for i, name in enumerate(capture.param_names):
+        mean = (updates[0][name] + updates[1][name]) / 2 / float(cfg["onestep-lr"])
+        assert (capture.gradient[i].double() - mean).abs().max().item() <= capture.aggregate.error_bound
+    assert {load_oracle(p).client for p in list_oracles(tmp_path / "run")} == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"num-shares": 3, "reconstruction-threshold": 3}, "reconstruction-threshold 3 must be below num-shares 3"),
+        ({"num-shares": 2.5}, "num-shares must be a fraction in (0, 1] or an integer >= 3"),
+        ({"clipping-range": 0}, "clipping-range must be > 0"),
+        ({"quantization-range": 0}, "quantization-range must be >= 1"),
+        ({"num-clients": 1}, "secagg needs at least 2 sampled clients per round"),
+        ({"num-clients": 4, "fraction-train": 0.25}, "secagg needs at least 2 sampled clients per round"),
+        ({"strategy": "fedmedian"}, "strategy fedmedian cannot run under secagg"),
+        ({"strategy": "krum"}, "strategy krum cannot run under secagg"),
+        ({"defense": "central-dp-server-clipping"}, "defense central-dp-server-clipping cannot run under secagg"),
+        ({"num-clients": 2, "reconstruction-threshold": 2}, "must be below the 2 sampled clients"),
+    ],
+)
+def test_bad_secagg_settings_are_one_line_exit_2_and_nothing_written(
+    settings: dict[str, Any], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedsim.cli import main
+
+    with pytest.raises(RunConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        resolve_config({"secagg": True, **settings})
+    args = ["simulate", "--secagg", "--run-dir", str(tmp_path / "run"), "--no-download"]
+    args += [f"--set={k}={v}" for k, v in settings.items()]
+    assert main(args) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error:") and message in out and len(out.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_secagg_settings_need_secagg_on_only_for_their_combinations() -> None:
+    # Without secagg, a strategy that needs each reply and 1 client are fine; the ranges still hold.
+    assert resolve_config({"strategy": "krum", "num-clients": 1})["secagg"] is False
+    with pytest.raises(RunConfigError, match="max-weight must be > 0"):
+        resolve_config({"max-weight": 0})
+    # 2 clients run with the fractional forms (the defaults)
+    assert resolve_config({"secagg": True, "num-clients": 2})["num-shares"] == 1.0
