@@ -299,7 +299,8 @@ def score_images(
                 {
                     "job": job.job_id,
                     "round": job.meta.get("round"),
-                    "client": job.meta.get("client"),
+                    # an aggregate's images each belong to one of its clients
+                    "client": job.meta["image_clients"][i] if "image_clients" in job.meta else job.meta.get("client"),
                     "index": i,
                     "label": int(job.labels[i]),
                     "attacks": per_attack,

@@ -1,6 +1,11 @@
 """Victim jobs from the curious server's captures (the federated path): one-step gradients, and
 updates of whole local rounds (FedAvg) with the round's plan for the replay.
 
+Under secure aggregation a capture is the mean of N clients' replies (``Capture.aggregate``): a one-step
+aggregate is the gradient of one batch of all N·B images, each with its own dropout masks, so it is one
+job of N·B images (labels recovered or known as for B > 1; the N clients' oracles, concatenated in the
+capture's image order, are its ground truth); the quantization noise stays in the target.
+
 The attacker reads only captures. The oracle folder of an audited simulation run is read for
 WIIG's masks and for scoring, and is handed to nothing else.
 """
@@ -14,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fedsim import dp_sgd
-from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
+from fedsim.capture import Capture, CaptureError, find_oracles, list_captures, load_capture
 from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.client_step import LocalPlan, LocalPlanError
 from fedsim.defenses import NO_DEFENSE, Defense, get_defense
@@ -116,6 +121,12 @@ def jobs_from_captures(
     for path in paths:
         try:
             capture: Capture = load_capture(path)
+            if capture.aggregate is not None and CAPTURE_KINDS[capture.kind].replays_local_round:
+                raise CaptureError(
+                    f"capture {path}: a SecAgg+ mean of {len(capture.aggregate.clients)} clients' FedAvg updates "
+                    "needs their local rounds replayed from the shared start and averaged, which the attacks do "
+                    "not do yet; capture one-step rounds (capture-kind gradient) under secagg"
+                )
             plan = replay_plan(capture, replay_order) if CAPTURE_KINDS[capture.kind].replays_local_round else None
         except CaptureError as err:
             if not skip_bad:
@@ -167,13 +178,22 @@ def _job(
     # What the capture holds under its defense, and the attacker's standard adaptation to it
     # (clipping: none, the cosine distance ignores the scale; noise: attacked as is; pruning:
     # match only the surviving entries). Named in the attack report (attacker.scoring).
-    meta = {
+    meta: dict = {
         "round": capture.round,
         "client": capture.client,
         "capture": str(path),
         "defense": defense.name,
         "adaptation": defense.adaptation,
     }
+    if capture.aggregate is not None:  # one job of all the clients' images: the mean's batch
+        agg = capture.aggregate
+        job_id = f"r{capture.round:04d}_secagg"
+        meta.update(
+            client="mean of " + ",".join(map(str, agg.clients)),
+            clients=list(agg.clients),
+            image_clients=[c for c, count in zip(agg.clients, agg.images) for _ in range(count)],
+            quantization_step=agg.step,
+        )
     count = capture.label_count
     if label_policy == "known" and capture.labels is not None:
         labels = capture.labels.long()
@@ -214,10 +234,18 @@ def _oracle(run_dir: Path | None, capture: Capture, plan: LocalPlan | None, job_
     if run_dir is None or not (Path(run_dir) / "oracle").is_dir():
         return None
     try:
-        record = find_oracle(run_dir, capture)
+        records = find_oracles(run_dir, capture)
     except CaptureError as err:
         log.warning("no oracle for %s: %s", job_id, err)
         return None
+    if len(records) > 1:  # an aggregate of one-step rounds: the clients' images as one batch, masks per layer
+        if any(len(r.masks) != len(records[0].masks) for r in records):
+            log.warning("no oracle for %s: its clients' oracles hold different numbers of masks", job_id)
+            return None
+        images = torch.cat([r.images.float() for r in records])
+        masks = tuple(torch.cat([r.masks[i].float() for r in records]) for i in range(len(records[0].masks)))
+        return Oracle(images, masks)
+    (record,) = records
     images = record.images.float()
     if plan is not None and record.batches:
         # the replay's dummy i is the image the client used i-th: the truth in that order

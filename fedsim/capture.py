@@ -63,6 +63,7 @@ class Aggregate:
     images: list[int]  # each client's images in the capture: its victim batch B, or its round's images
     quantization: dict[str, Any]  # SecAgg+'s max_weight, clipping_range, quantization_range, modulus_range
     step: float  # the mean's quantization step in the capture's units; its error is below len(clients) steps
+    rms: float  # the size of what the server captured: the RMS of the mean's entries (the capture's units)
 
     @property
     def error_bound(self) -> float:
@@ -77,6 +78,7 @@ class Aggregate:
             "images": list(self.images),
             "quantization": dict(self.quantization),
             "step": float(self.step),
+            "rms": float(self.rms),
         }
 
     @classmethod
@@ -88,6 +90,7 @@ class Aggregate:
             images=[int(v) for v in data["images"]],
             quantization=dict(data["quantization"]),
             step=float(data["step"]),
+            rms=float(data["rms"]),
         )
         if not (len(agg.clients) == len(agg.node_ids) == len(agg.num_examples) == len(agg.images) >= 1):
             raise ValueError("an aggregate needs one client id, node id, weight and image count per client")

@@ -60,25 +60,28 @@ def _update_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
     )
 
 
-def _aggregate_words(capture: CapturedRound) -> str:
+def _aggregate_words(capture: CapturedRound, what: str) -> str:
     agg = capture.aggregate
     n = len(agg.clients)
-    return f"the mean of {n} client{_plural(n)}' replies under SecAgg+, quantized with step {agg.step:.3g}"
+    return (
+        f"the mean of {n} clients' {what} (SecAgg+: the server never holds one client's), quantized with step "
+        f"{agg.step:.2g} against an RMS entry of {agg.rms:.2g} (step/RMS {agg.step / agg.rms if agg.rms else 0:.2g})"
+    )
 
 
 def _secagg_gradient_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
     n, b = len(capture.aggregate.clients), capture.batch_size
     return (
         f"SecAgg+ mean of {n} one-step gradients ({b} images)",
-        f"{_aggregate_words(capture)} (in the gradient's units): the one-step gradient of one batch of the "
-        f"{b} images of {n} clients, each image with its own dropout masks",
+        f"{_aggregate_words(capture, 'one-step gradients')}: the gradient of one batch of the {b} images of the "
+        f"{n} clients, each image with its own dropout masks",
     )
 
 
 def _secagg_update_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
     n = len(capture.aggregate.clients)
     short, text = _update_setting(capture, optimizer)
-    return (f"SecAgg+ mean of {n} {short} updates", f"{_aggregate_words(capture)} (in the update's units); {text}")
+    return (f"SecAgg+ mean of {n} {short} updates", f"{_aggregate_words(capture, 'updates')}; {text}")
 
 
 @dataclass(frozen=True)

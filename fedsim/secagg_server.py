@@ -226,13 +226,17 @@ class CuriousSecAggStrategy(Strategy):
         step = secagg.aggregate_step(num_examples, self.quantization)
         known = all("labels" in meta for meta, _ in members)
         labels = torch.tensor([v for meta, _ in members for v in meta["labels"]], dtype=torch.int64) if known else None
+        update = {k: global_state[k].double() - mean[k] for k in self._param_names}
+        scale = lr if one_step else 1.0  # a one-step capture holds the gradient: the update over lr
+        rms = float(torch.cat([u.flatten() for u in update.values()]).pow(2).mean().sqrt()) / scale
         aggregate = Aggregate(
             clients=[int(meta.get("partition-id", -1)) for meta, _ in members],
             node_ids=[int(proxy.node_id) for _, (proxy, _) in members],
             num_examples=num_examples,
             images=images,
             quantization=self.quantization,
-            step=step / lr if one_step else step,
+            step=step / scale,
+            rms=rms,
         )
         common = dict(
             spec=self.spec,

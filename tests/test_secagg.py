@@ -13,7 +13,8 @@ import torch
 from flower_harness import AppGrid, offline_config, set_task_identity
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedsim.capture import find_oracles, list_captures, list_oracles, load_capture, load_oracle
+from fedsim import task
+from fedsim.capture import CaptureError, find_oracles, list_captures, list_oracles, load_capture, load_oracle
 from fedsim.client_app import handle_train
 from fedsim.run_config import RunConfigError, resolve_config
 from fedsim.server_app import run_server
@@ -96,6 +97,11 @@ def test_the_aggregate_capture_is_the_weighted_mean_of_the_plain_replies_within_
         assert min((capture.update[key].double() - u[key]).abs().max().item() for u in updates) > 100 * agg.error_bound
     # the oracle, kept apart, is each client's
     assert [o.client for o in find_oracles(tmp_path / "run", capture)] == [0, 1, 2]
+    # the attacks do not replay N averaged local rounds yet: one line
+    from attacker.captures import jobs_from_captures
+
+    with pytest.raises(CaptureError, match="SecAgg\\+ mean of 3 clients' FedAvg updates needs their local rounds"):
+        jobs_from_captures(list_captures(tmp_path / "run"), tmp_path / "run")
 
 
 def test_a_one_step_aggregate_is_the_batch_gradient_of_all_the_clients_images(tmp_path: Path) -> None:
@@ -163,3 +169,60 @@ def test_the_secagg_settings_need_secagg_on_only_for_their_combinations() -> Non
         resolve_config({"max-weight": 0})
     # 2 clients run with the fractional forms (the defaults)
     assert resolve_config({"secagg": True, "num-clients": 2})["num-shares"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def aggregate_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """An audited secagg run: 3 clients, one image each, round 1's one-step mean captured finely."""
+    run_dir = tmp_path_factory.mktemp("secagg") / "run"
+    cfg, _ = _secagg_run(run_dir, **{**FINE, "max-weight": 1.0})
+    return cfg, run_dir
+
+
+def test_the_attacker_takes_an_aggregate_as_one_job_of_all_the_clients_images(
+    aggregate_run: tuple[dict[str, Any], Path],
+) -> None:
+    import torch.nn.functional as F
+
+    from attacker.captures import capture_paths, jobs_from_captures
+    from fedsim.models import set_dropout_mode, set_masks
+
+    cfg, run_dir = aggregate_run
+    (job,), (oracle,), skipped = jobs_from_captures(capture_paths(run_dir), run_dir)
+    records = find_oracles(run_dir, load_capture(list_captures(run_dir)[0]))
+    assert skipped == [] and job.job_id == "r0001_secagg" and job.batch_size == 3 and job.plan is None
+    assert job.meta["image_clients"] == [0, 1, 2] and torch.equal(job.labels, torch.cat([r.labels for r in records]))
+    assert torch.equal(oracle.images, torch.cat([r.images for r in records]).float())
+    # The target is the gradient of ONE batch of the 3 images, each with its own client's masks (what WIIG
+    # replays, what DIA learns), up to the quantization.
+    model = task.make_model(cfg, job.weights)
+    set_dropout_mode(model, "replay")
+    set_masks(model, list(oracle.masks))
+    model.train()
+    batch = torch.autograd.grad(F.cross_entropy(model(oracle.images), job.labels), list(model.parameters()))
+    bound = job.meta["quantization_step"] * 3
+    for got, want in zip(job.gradient, batch, strict=True):
+        assert (got.double() - want.double()).abs().max().item() <= bound + 1e-7 * want.abs().max().item()
+
+
+def test_the_audit_of_a_secagg_run_says_what_the_server_saw(
+    aggregate_run: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    import json
+
+    from attacker.cli import main
+
+    _, run_dir = aggregate_run
+    out = tmp_path / "audit"
+    args = ["audit", str(run_dir), "--out", str(out), "--attacks", "dia", "wiig", "--iterations", "20", "--no-lpips"]
+    assert main([*args, "--quiet"]) == 0
+    audit = json.loads((out / "audit.json").read_text())
+    capture = load_capture(list_captures(run_dir)[0])
+    step, rms = capture.aggregate.step, capture.aggregate.rms
+    assert 0 < step < 1e-2 * rms
+    assert audit["setting"]["capture_text"].startswith(
+        f"the mean of 3 clients' one-step gradients (SecAgg+: the server never holds one client's), quantized "
+        f"with step {step:.2g} against an RMS entry of {rms:.2g}"
+    )
+    assert [(r["client"], r["index"]) for r in audit["images"]] == [(0, 0), (1, 1), (2, 2)]
+    assert "SecAgg+ mean of 3 one-step gradients (3 images)" in audit["verdict"]
