@@ -65,7 +65,7 @@ def _aggregate_words(capture: CapturedRound, what: str) -> str:
     n = len(agg.clients)
     return (
         f"the mean of {n} clients' {what} (SecAgg+: the server never holds one client's), quantized with step "
-        f"{agg.step:.2g} against an RMS entry of {agg.rms:.2g} (step/RMS {agg.step / agg.rms if agg.rms else 0:.2g})"
+        f"{agg.step:.2g} (the captured mean's RMS entry, quantization noise included: {agg.rms:.2g})"
     )
 
 

@@ -222,7 +222,7 @@ def test_the_audit_of_a_secagg_run_says_what_the_server_saw(
     assert 0 < step < 1e-2 * rms
     assert audit["setting"]["capture_text"].startswith(
         f"the mean of 3 clients' one-step gradients (SecAgg+: the server never holds one client's), quantized "
-        f"with step {step:.2g} against an RMS entry of {rms:.2g}"
+        f"with step {step:.2g} (the captured mean's RMS entry, quantization noise included: {rms:.2g})"
     )
     assert [(r["client"], r["index"]) for r in audit["images"]] == [(0, 0), (1, 1), (2, 2)]
     assert "SecAgg+ mean of 3 one-step gradients (3 images)" in audit["verdict"]
