@@ -79,9 +79,15 @@ def _secagg_gradient_setting(capture: CapturedRound, optimizer: str) -> tuple[st
 
 
 def _secagg_update_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
-    n = len(capture.aggregate.clients)
-    short, text = _update_setting(capture, optimizer)
-    return (f"SecAgg+ mean of {n} {short} updates", f"{_aggregate_words(capture, 'updates')}; {text}")
+    agg, hp = capture.aggregate, capture.hyperparameters
+    n, counts = len(agg.clients), sorted(set(agg.images))
+    each = counts[0] if len(counts) == 1 else "/".join(map(str, agg.images))
+    return (
+        f"SecAgg+ mean of {n} FedAvg K = {capture.local_steps} {optimizer} updates",
+        f"{_aggregate_words(capture, 'FedAvg updates')}: each client trained {each} images for "
+        f"{hp.get('local-epochs')} epoch(s) in batches of {hp.get('batch-size')}, K = {capture.local_steps} local "
+        f"{optimizer} steps (lr {hp.get('lr')}) with fresh dropout masks at every step, from the same global model",
+    )
 
 
 @dataclass(frozen=True)

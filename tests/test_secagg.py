@@ -14,7 +14,7 @@ from flower_harness import AppGrid, offline_config, set_task_identity
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedsim import task
-from fedsim.capture import CaptureError, find_oracles, list_captures, list_oracles, load_capture, load_oracle
+from fedsim.capture import find_oracles, list_captures, list_oracles, load_capture, load_oracle
 from fedsim.client_app import handle_train
 from fedsim.run_config import RunConfigError, resolve_config
 from fedsim.server_app import run_server
@@ -97,11 +97,6 @@ def test_the_aggregate_capture_is_the_weighted_mean_of_the_plain_replies_within_
         assert min((capture.update[key].double() - u[key]).abs().max().item() for u in updates) > 100 * agg.error_bound
     # the oracle, kept apart, is each client's
     assert [o.client for o in find_oracles(tmp_path / "run", capture)] == [0, 1, 2]
-    # the attacks do not replay N averaged local rounds yet: one line
-    from attacker.captures import jobs_from_captures
-
-    with pytest.raises(CaptureError, match="SecAgg\\+ mean of 3 clients' FedAvg updates needs their local rounds"):
-        jobs_from_captures(list_captures(tmp_path / "run"), tmp_path / "run")
 
 
 def test_a_one_step_aggregate_is_the_batch_gradient_of_all_the_clients_images(tmp_path: Path) -> None:
@@ -226,3 +221,33 @@ def test_the_audit_of_a_secagg_run_says_what_the_server_saw(
     )
     assert [(r["client"], r["index"]) for r in audit["images"]] == [(0, 0), (1, 1), (2, 2)]
     assert "SecAgg+ mean of 3 one-step gradients (3 images)" in audit["verdict"]
+
+
+def test_a_mean_of_fedavg_updates_is_one_job_replaying_each_clients_round_from_the_shared_start(
+    tmp_path: Path,
+) -> None:
+    from dataclasses import replace
+
+    from attacker.captures import capture_paths, jobs_from_captures
+    from attacker.engine.replay import replayed_update
+    from attacker.jobs import model_from_job
+
+    fedavg = {"capture-kind": "update", "capture-images": 2, "batch-size": 1, "optimizer": "sgd", "lr": 0.01}
+    cfg, _ = _secagg_run(tmp_path / "run", **fedavg, **{**FINE, "max-weight": 2.0})
+    (job,), (oracle,), _ = jobs_from_captures(capture_paths(tmp_path / "run"), tmp_path / "run")
+    assert job.plan is not None and job.batch_size == 6 and job.members == ((2, 2.0), (2, 2.0), (2, 2.0))
+    assert job.steps == [[0], [1], [2], [3], [4], [5]]  # K = 2 per client, client by client
+    # the clients' true images and masks, each client's round from the same start, averaged: the capture
+    model = model_from_job(job)
+    per_layer = len(oracle.masks) // len(job.steps)
+    masks = [list(oracle.masks[t * per_layer : (t + 1) * per_layer]) for t in range(len(job.steps))]
+    plan = replace(job.plan, dropout="replay", masks=masks)
+    start = {k: v.detach() for k, v in model.named_parameters()}
+    replayed = replayed_update(model, start, plan, oracle.images, job.labels, job.members)
+    bound = load_capture(list_captures(tmp_path / "run")[0]).aggregate.error_bound
+    names = [n for n, _ in model.named_parameters()]
+    for name, target in zip(names, job.gradient, strict=True):
+        assert (replayed[name].double() - target.double()).abs().max().item() <= bound + 1e-7, name
+    # one client's round alone is not it
+    alone = replayed_update(model, start, replace(plan, masks=masks[:2]), oracle.images[:2], job.labels[:2])
+    assert max((alone[n] - t).abs().max().item() for n, t in zip(names, job.gradient)) > 100 * bound
