@@ -1,6 +1,13 @@
 """Victim jobs from the curious server's captures (the federated path): one-step gradients, and
 updates of whole local rounds (FedAvg) with the round's plan for the replay.
 
+Under secure aggregation a capture is the mean of N clients' replies (``Capture.aggregate``): a one-step
+aggregate is the gradient of one batch of all N·B images, each with its own dropout masks, so it is one
+job of N·B images (labels recovered or known as for B > 1; the N clients' oracles, concatenated in the
+capture's image order, are its ground truth); a mean of FedAvg updates is one job of all the clients'
+images whose replay runs each client's round from the shared start on its own images and averages
+them by weight (``VictimJob.members``). The quantization noise stays in the target.
+
 The attacker reads only captures. The oracle folder of an audited simulation run is read for
 WIIG's masks and for scoring, and is handed to nothing else.
 """
@@ -14,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fedsim import dp_sgd
-from fedsim.capture import Capture, CaptureError, find_oracle, list_captures, load_capture
+from fedsim.capture import Capture, CaptureError, find_oracles, list_captures, load_capture
 from fedsim.capture_kinds import CAPTURE_KINDS
 from fedsim.client_step import LocalPlan, LocalPlanError
 from fedsim.defenses import NO_DEFENSE, Defense, get_defense
@@ -60,12 +67,14 @@ def replay_plan(capture: Capture, replay_order: str = "known") -> LocalPlan:
         if isinstance(err, CaptureError):
             raise
         raise CaptureError(f"capture {capture.path}: the replay cannot run this update ({err})") from None
+    # A SecAgg+ mean of several clients' rounds: each ran this plan on its own images (counts in clear).
+    counts = capture.aggregate.images if capture.aggregate is not None else [capture.num_examples]
     if (
         plan.schedule.order == "shuffled"
         and plan.schedule.epochs > 1
         and plan.schedule.max_steps == 0
         and plan.schedule.batch_size
-        and plan.schedule.batch_size < capture.num_examples
+        and plan.schedule.batch_size < max(counts)
     ):
         # Within one epoch a shuffled order is only a relabelling of the dummies; across epochs the
         # replay has to tie each epoch's copy of an image without knowing where it went.
@@ -87,11 +96,11 @@ def replay_plan(capture: Capture, replay_order: str = "known") -> LocalPlan:
         record_masks=False,
         proximal_mu=capture.proximal_mu,
     )
-    steps = len(plan.schedule.batches(capture.num_examples, 0))
+    steps = max(len(plan.schedule.batches(n, 0)) for n in counts)
     if steps != capture.local_steps:
         raise CaptureError(
             f"capture {capture.path}: the hyperparameters give {steps} local steps on "
-            f"{capture.num_examples} images, the client reported {capture.local_steps}"
+            f"{max(counts)} images, the client reported {capture.local_steps}"
         )
     return plan
 
@@ -167,17 +176,34 @@ def _job(
     # What the capture holds under its defense, and the attacker's standard adaptation to it
     # (clipping: none, the cosine distance ignores the scale; noise: attacked as is; pruning:
     # match only the surviving entries). Named in the attack report (attacker.scoring).
-    meta = {
+    meta: dict = {
         "round": capture.round,
         "client": capture.client,
         "capture": str(path),
         "defense": defense.name,
         "adaptation": defense.adaptation,
     }
+    if capture.aggregate is not None:  # one job of all the clients' images: the mean's batch
+        agg = capture.aggregate
+        job_id = f"r{capture.round:04d}_secagg"
+        meta.update(
+            client="mean of " + ",".join(map(str, agg.clients)),
+            clients=list(agg.clients),
+            image_clients=[c for c, count in zip(agg.clients, agg.images) for _ in range(count)],
+            quantization_step=agg.step,
+        )
     count = capture.label_count
+    # A SecAgg+ mean of several clients' rounds: replayed client by client, averaged by their weights.
+    members = (
+        tuple(zip(capture.aggregate.images, map(float, capture.aggregate.num_examples)))
+        if plan is not None and capture.aggregate is not None
+        else ()
+    )
     if label_policy == "known" and capture.labels is not None:
         labels = capture.labels.long()
-        if plan is not None and capture.step_labels is not None and capture.step_labels.numel() >= count:
+        if members and capture.step_labels is not None:
+            labels = _members_step_labels(capture.step_labels, [c for c, _ in members], labels)
+        elif plan is not None and capture.step_labels is not None and capture.step_labels.numel() >= count:
             # The replay runs its steps in order over the dummies, so dummy i takes the label of the
             # image the client used i-th (its first epoch); for in-order batches that is the same.
             labels = capture.step_labels[:count].long()
@@ -192,6 +218,7 @@ def _job(
             plan,
             match_support=defense.match_support,
             step_labels=capture.step_labels,
+            members=members,
         )
     job = VictimJob(
         job_id,
@@ -203,10 +230,23 @@ def _job(
         meta,
         plan,
         match_support=defense.match_support,
+        members=members,
     )
     # an update's label counts sit in its last layer just as a gradient's do (up to the step size)
     job.labels = recover_labels(model_from_job(job), shared, count)
     return job
+
+
+def _members_step_labels(step_labels: torch.Tensor, counts: list[int], labels: torch.Tensor) -> torch.Tensor:
+    """Each client's labels in the order its steps used its images (its first epoch), client by client:
+    the clients' step labels lie client-major, as many epochs of each client's images as the others'."""
+    if step_labels.numel() % sum(counts):
+        return labels
+    epochs, parts, offset = step_labels.numel() // sum(counts), [], 0
+    for count in counts:
+        parts.append(step_labels[offset : offset + count])
+        offset += epochs * count
+    return torch.cat(parts).long()
 
 
 def _oracle(run_dir: Path | None, capture: Capture, plan: LocalPlan | None, job_id: str) -> Oracle | None:
@@ -214,13 +254,25 @@ def _oracle(run_dir: Path | None, capture: Capture, plan: LocalPlan | None, job_
     if run_dir is None or not (Path(run_dir) / "oracle").is_dir():
         return None
     try:
-        record = find_oracle(run_dir, capture)
+        records = find_oracles(run_dir, capture)
     except CaptureError as err:
         log.warning("no oracle for %s: %s", job_id, err)
         return None
-    images = record.images.float()
-    if plan is not None and record.batches:
-        # the replay's dummy i is the image the client used i-th: the truth in that order
-        used = [i for batch in record.batches for i in batch][: images.shape[0]]
-        images = images[torch.tensor(used)]
-    return Oracle(images, tuple(m.float() for m in record.masks))
+    if plan is None and len(records) > 1:  # one-step rounds' mean: the clients' images as one batch
+        if any(len(r.masks) != len(records[0].masks) for r in records):
+            log.warning("no oracle for %s: its clients' oracles hold different numbers of masks", job_id)
+            return None
+        images = torch.cat([r.images.float() for r in records])
+        masks = tuple(torch.cat([r.masks[i].float() for r in records]) for i in range(len(records[0].masks)))
+        return Oracle(images, masks)
+    # one client's round, or a mean of several clients' rounds: their truths client by client, each client's
+    # images in the order its steps used them (the replay's dummies), its masks step by step
+    parts, masks = [], []
+    for record in records:
+        images = record.images.float()
+        if plan is not None and record.batches:
+            used = [i for batch in record.batches for i in batch][: images.shape[0]]
+            images = images[torch.tensor(used)]
+        parts.append(images)
+        masks += [m.float() for m in record.masks]
+    return Oracle(torch.cat(parts), tuple(masks))

@@ -39,6 +39,10 @@ class VictimJob:
     # as a client with known labels discloses them; what an unknown batch order needs (``unknown_order``).
     step_labels: Tensor | None = None
     copies: int = 1  # > 1: an unknown-order job whose B images are this many epoch copies of N images
+    # An update job of a SecAgg+ mean of several clients' updates: each client's (images, weight), its
+    # images consecutive in the job's; the replay runs each client's round from the shared start on its
+    # own images and averages the updates by weight (attacker.engine.replay). Empty: one client's update.
+    members: tuple[tuple[int, float], ...] = ()
 
     @property
     def kind(self) -> str:
@@ -46,9 +50,16 @@ class VictimJob:
 
     @property
     def steps(self) -> list[list[int]]:
-        """Which of the job's images each local step used (one step on all of them for a gradient)."""
+        """Which of the job's images each local step used (one step on all of them for a gradient); for
+        an aggregate of several clients' rounds, each client's steps in turn (client-major)."""
         if self.plan is None:
             return [list(range(self.batch_size))]
+        if self.members:
+            steps, offset = [], 0
+            for count, _ in self.members:
+                steps += [[offset + i for i in batch] for batch in plan_batches(self.plan, count)]
+                offset += count
+            return steps
         return plan_batches(self.plan, self.batch_size)
 
     @property
@@ -92,7 +103,8 @@ def as_one_gradient(job: VictimJob) -> VictimJob:
     """An update job as the one-step gradient Δ/(lr·K) on all N images: exactly the client's gradient
     for one plain SGD step (``exact_as_gradient``), and the field's cheap baseline otherwise."""
     assert job.plan is not None
-    scale = job.plan.optimizer.lr * len(job.steps)
+    # K: the local steps of one client (an aggregate's steps are its clients' in turn: their mean count)
+    scale = job.plan.optimizer.lr * len(job.steps) / max(1, len(job.members))
     gradient = [(d.double() / scale).float() for d in job.gradient]
     return replace(job, gradient=gradient, plan=None, meta=dict(job.meta, as_gradient=True))
 
@@ -110,6 +122,10 @@ def unknown_order(job: VictimJob) -> VictimJob:
     plan, n = job.plan, job.batch_size
     if plan is None or job.copies > 1:
         return job
+    if job.members:
+        raise BatchOrderError(
+            f"job {job.job_id}: an unknown batch order is not built for a SecAgg+ mean of several clients' rounds"
+        )
     if job.step_labels is None:
         raise BatchOrderError(
             f"job {job.job_id}: an unknown batch order needs the labels of every step's "

@@ -6,6 +6,11 @@ gradient for a one-step SGD round, else its update), plus labels when the audit 
 known. An *oracle* record is the client's ground truth (true images, labels, dropout masks). The two
 are different types, stored in different folders, and a loader of one refuses the other.
 
+Under secure aggregation the server holds no client's reply: an *aggregate* capture (the aggregate kinds of
+``fedsim.capture_kinds``) holds the weighted mean of a round's replies as the server saw it, with
+``Aggregate``: which clients it holds, their weights, their images' counts, the quantization and its
+step. Its oracle is still each client's own record.
+
 On disk, every record is a folder holding two files:
   ``record.json``            metadata: format, schema version, kind, spec, round, client, ... and
                              the SHA-256 of the tensor file;
@@ -47,6 +52,51 @@ class CaptureError(ValueError):
     """A capture or oracle record that is missing, foreign, corrupt or inconsistent."""
 
 
+@dataclass(frozen=True)
+class Aggregate:
+    """What an aggregate capture (secure aggregation) holds beyond a client's capture: the clients in the
+    mean, in the order of the capture's images and labels, with what each disclosed in clear."""
+
+    clients: list[int]  # partition ids
+    node_ids: list[int]
+    num_examples: list[int]  # each client's weight in the mean (num_examples travel in clear)
+    images: list[int]  # each client's images in the capture: its victim batch B, or its round's images
+    quantization: dict[str, Any]  # SecAgg+'s max_weight, clipping_range, quantization_range, modulus_range
+    step: float  # the mean's quantization step in the capture's units; its error is below len(clients) steps
+    rms: float  # the size of what the server captured: the RMS of the mean's entries (the capture's units)
+
+    @property
+    def error_bound(self) -> float:
+        """The largest error of an entry of the mean: one quantization step per client (stochastic rounding)."""
+        return len(self.clients) * self.step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "clients": list(self.clients),
+            "node_ids": list(self.node_ids),
+            "num_examples": list(self.num_examples),
+            "images": list(self.images),
+            "quantization": dict(self.quantization),
+            "step": float(self.step),
+            "rms": float(self.rms),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Aggregate:
+        agg = cls(
+            clients=[int(v) for v in data["clients"]],
+            node_ids=[int(v) for v in data["node_ids"]],
+            num_examples=[int(v) for v in data["num_examples"]],
+            images=[int(v) for v in data["images"]],
+            quantization=dict(data["quantization"]),
+            step=float(data["step"]),
+            rms=float(data["rms"]),
+        )
+        if not (len(agg.clients) == len(agg.node_ids) == len(agg.num_examples) == len(agg.images) >= 1):
+            raise ValueError("an aggregate needs one client id, node id, weight and image count per client")
+        return agg
+
+
 @dataclass
 class Capture:
     """What the server saw from one client in one round (no ground truth in here).
@@ -80,6 +130,8 @@ class Capture:
     # (e.g. under central DP: the clipped update without the noise, which is added after aggregation).
     defense: str = NO_DEFENSE
     defense_captured: str = ""
+    # An aggregate kind (secure aggregation): the clients in the mean and its quantization; None otherwise.
+    aggregate: Aggregate | None = None
     path: Path | None = None
 
     @property
@@ -121,6 +173,19 @@ def record_name(round_: int, client: int, node_id: int) -> str:
     return f"r{round_:04d}_c{client:03d}_n{node_id}"
 
 
+def aggregate_record_name(round_: int) -> str:
+    """The one aggregate capture of a round (secure aggregation)."""
+    return f"r{round_:04d}_secagg"
+
+
+def _check_aggregate(kind: str, aggregate: Aggregate | None, where: str) -> None:
+    is_aggregate = bool(CAPTURE_KINDS[kind].aggregate_of)
+    if is_aggregate != (aggregate is not None):
+        raise CaptureError(
+            f"{where}: kind {kind!r} {'needs' if is_aggregate else 'takes no'} aggregate record (clients, weights)"
+        )
+
+
 def _write_record(directory: Path, name: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     """Write ``name`` atomically under ``directory``: both files appear together or not at all."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,6 +212,7 @@ def save_capture(directory: str | Path, capture: Capture) -> Path:
         raise CaptureError(f"capture kind must be one of {tuple(CAPTURE_KINDS)}, got {capture.kind!r}")
     if capture.label_policy not in LABEL_POLICIES:
         raise CaptureError(f"label policy must be one of {LABEL_POLICIES}, got {capture.label_policy!r}")
+    _check_aggregate(capture.kind, capture.aggregate, "capture")
     tensors: dict[str, torch.Tensor] = {f"weights/{k}": v for k, v in capture.weights.items()}
     if CAPTURE_KINDS[capture.kind].one_step_gradient:
         if capture.gradient is None or len(capture.gradient) != len(capture.param_names):
@@ -183,7 +249,12 @@ def save_capture(directory: str | Path, capture: Capture) -> Path:
         "defense": capture.defense,
         "defense_captured": capture.defense_captured,
     }
-    return _write_record(Path(directory), record_name(capture.round, capture.client, capture.node_id), meta, tensors)
+    if capture.aggregate is not None:
+        meta["aggregate"] = capture.aggregate.to_dict()
+        name = aggregate_record_name(capture.round)
+    else:
+        name = record_name(capture.round, capture.client, capture.node_id)
+    return _write_record(Path(directory), name, meta, tensors)
 
 
 def save_oracle(directory: str | Path, oracle: OracleRecord) -> Path:
@@ -290,6 +361,8 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             raise CaptureError(f"capture {path}: unknown label policy {label_policy!r}")
         if label_policy == "known" and labels is None:
             raise CaptureError(f"capture {path}: label policy 'known' but no labels stored")
+        aggregate = Aggregate.from_dict(meta["aggregate"]) if "aggregate" in meta else None
+        _check_aggregate(kind, aggregate, f"capture {path}")
         expected = int(meta[holds.images_field])
         if labels is not None and labels.shape != (expected,):
             raise CaptureError(f"capture {path}: {labels.shape[0]} labels for {expected} images")
@@ -314,12 +387,17 @@ def load_capture(path: str | Path, check_model: bool = True) -> Capture:
             proximal_mu=_proximal_mu(meta, path),
             defense=str(meta.get("defense", NO_DEFENSE)),  # records written before defenses existed had none
             defense_captured=str(meta.get("defense_captured", "")),
+            aggregate=aggregate,
             path=path,
         )
     except KeyError as exc:
         raise CaptureError(f"capture {path}: {META_FILE} lacks the field {exc.args[0]!r}") from None
     except (ModelSpecError, TypeError) as exc:
         raise CaptureError(f"capture {path}: bad model spec ({exc})") from None
+    except ValueError as exc:
+        if isinstance(exc, CaptureError):
+            raise
+        raise CaptureError(f"capture {path}: bad aggregate record ({exc})") from None
     if check_model:
         _check_against_model(capture)
     return capture
@@ -405,3 +483,12 @@ def find_oracle(run_dir: str | Path, capture: Capture) -> OracleRecord:
     """The oracle record of the same round and client as ``capture``, from a run folder."""
     path = Path(run_dir) / "oracle" / record_name(capture.round, capture.client, capture.node_id)
     return load_oracle(path)
+
+
+def find_oracles(run_dir: str | Path, capture: Capture) -> list[OracleRecord]:
+    """The oracle records behind ``capture``: its client's, or for an aggregate capture each of its
+    clients' records, in the order of its images."""
+    if capture.aggregate is None:
+        return [find_oracle(run_dir, capture)]
+    members = zip(capture.aggregate.clients, capture.aggregate.node_ids)
+    return [load_oracle(Path(run_dir) / "oracle" / record_name(capture.round, c, n)) for c, n in members]

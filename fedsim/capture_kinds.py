@@ -7,6 +7,11 @@ tensors, how many labels), the strategy (which round-config flag it sends), the 
 privacy schedule (one step or a local round), the attacker (replay a local plan or not) and the audit
 (how it names the setting).
 
+Under secure aggregation (``secagg``: Flower's SecAgg+) the server never holds one client's reply, only
+the num_examples-weighted mean of the round's replies, quantized: each client kind has an aggregate kind
+(``aggregate_of`` names the client kind it averages) that the server records in its place, one capture
+per round. A run chooses a client kind (``capture-kind``); the aggregate kind follows from ``secagg``.
+
 A leaf module (only the standard library): the run config, DP-SGD's schedule and the capture store all
 import it, and each other, so it must import none of them.
 """
@@ -30,6 +35,7 @@ class CapturedRound(Protocol):
     num_examples: int
     local_steps: int
     hyperparameters: dict[str, Any]
+    aggregate: Any  # an aggregate capture's members and quantization (fedsim.capture.Aggregate); None otherwise
 
 
 def _plural(n: int) -> str:
@@ -54,6 +60,36 @@ def _update_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
     )
 
 
+def _aggregate_words(capture: CapturedRound, what: str) -> str:
+    agg = capture.aggregate
+    n = len(agg.clients)
+    return (
+        f"the mean of {n} clients' {what} (SecAgg+: the server never holds one client's), quantized with step "
+        f"{agg.step:.2g} (the captured mean's RMS entry, quantization noise included: {agg.rms:.2g})"
+    )
+
+
+def _secagg_gradient_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
+    n, b = len(capture.aggregate.clients), capture.batch_size
+    return (
+        f"SecAgg+ mean of {n} one-step gradients ({b} images)",
+        f"{_aggregate_words(capture, 'one-step gradients')}: the gradient of one batch of the {b} images of the "
+        f"{n} clients, each image with its own dropout masks",
+    )
+
+
+def _secagg_update_setting(capture: CapturedRound, optimizer: str) -> tuple[str, str]:
+    agg, hp = capture.aggregate, capture.hyperparameters
+    n, counts = len(agg.clients), sorted(set(agg.images))
+    each = counts[0] if len(counts) == 1 else "/".join(map(str, agg.images))
+    return (
+        f"SecAgg+ mean of {n} FedAvg K = {capture.local_steps} {optimizer} updates",
+        f"{_aggregate_words(capture, 'FedAvg updates')}: each client trained {each} images for "
+        f"{hp.get('local-epochs')} epoch(s) in batches of {hp.get('batch-size')}, K = {capture.local_steps} local "
+        f"{optimizer} steps (lr {hp.get('lr')}) with fresh dropout masks at every step, from the same global model",
+    )
+
+
 @dataclass(frozen=True)
 class CaptureKind:
     name: str
@@ -70,6 +106,8 @@ class CaptureKind:
     client_flag: str
     # The audit's words for what the server captured: (capture, the optimizer's words) -> (short, long).
     setting: Callable[[CapturedRound, str], tuple[str, str]]
+    # An aggregate kind: the client kind whose replies it averages (secure aggregation); "" for a client kind.
+    aggregate_of: str = ""
 
     def __post_init__(self) -> None:
         if self.client_flag not in CLIENT_FLAGS:
@@ -98,4 +136,35 @@ CAPTURE_KINDS: dict[str, CaptureKind] = {
         client_flag="capture-update",
         setting=_update_setting,
     ),
+    "secagg-gradient": CaptureKind(
+        "secagg-gradient",
+        one_step_gradient=True,
+        images_field="batch_size",  # all the clients' victim images: one batch
+        replays_local_round=False,
+        client_flag="one-step",
+        setting=_secagg_gradient_setting,
+        aggregate_of="gradient",
+    ),
+    "secagg-update": CaptureKind(
+        "secagg-update",
+        one_step_gradient=False,
+        images_field="num_examples",
+        replays_local_round=True,
+        client_flag="capture-update",
+        setting=_secagg_update_setting,
+        aggregate_of="update",
+    ),
 }
+
+
+def client_kinds() -> tuple[str, ...]:
+    """The kinds a run chooses (``capture-kind``): what one client's reply is; not the aggregates."""
+    return tuple(name for name, kind in CAPTURE_KINDS.items() if not kind.aggregate_of)
+
+
+def aggregate_kind(client_kind: str) -> str:
+    """The kind the server records under secure aggregation in place of ``client_kind``'s captures."""
+    for name, kind in CAPTURE_KINDS.items():
+        if kind.aggregate_of == client_kind:
+            return name
+    raise ValueError(f"capture kind {client_kind!r} has no aggregate kind for secure aggregation")

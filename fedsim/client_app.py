@@ -24,8 +24,86 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from fedsim import defenses, dp_sgd, task
 from fedsim.client_step import StepRecord, run_local_round
 from fedsim.run_config import resolve_config
+from fedsim.secagg import META_METRIC, ORACLE_METRIC
 
 app = ClientApp()
+
+
+def secagg_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """Flower's ``secaggplus_mod`` on the messages of Flower's SecAgg+ workflow, the rest of the chain
+    otherwise. Why a dispatching mod rather than ``ClientApp(mods=[secaggplus_mod])``: the app's mods are
+    fixed when the one module-level app is built (see :func:`defense_mod`), and whether a round runs
+    under SecAgg+ is the server's choice; the workflow's messages say it themselves (they carry its
+    ``secaggplus_configs`` record), so the client needs no setting of its own (under ``run_simulation``
+    its run config is empty)."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def legacy_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """A legacy FitIns / EvaluateIns (what Flower's DefaultWorkflow sends, under SecAgg+) as this app's
+    message ("arrays" keyed by the model's state dict, "config"), and the reply back as a FitRes /
+    EvaluateRes; a message of this app's own form passes unchanged. Written here because Flower converts
+    only between the legacy records and its legacy Client class (``flwr.compat``), not a Message-API
+    handler; the record layouts are Flower's own (``recorddict_compat``)."""
+    import flwr.compat.common.recorddict_compat as compat
+    from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    records = msg.content.array_records
+    fit = "fitins.parameters" in records
+    if not fit and "evaluateins.parameters" not in records:
+        return call_next(msg, context)
+    ins = (compat.recorddict_to_fitins if fit else compat.recorddict_to_evaluateins)(msg.content, True)
+    config = dict(ins.config)
+    if "proximal_mu" in config:  # the legacy FedProx's key; the Message API's FedProx sends "proximal-mu"
+        config.setdefault("proximal-mu", config["proximal_mu"])
+    # Legacy Parameters carry no names: the arrays are the model's state dict in its order.
+    keys = list(task.make_model(_config_of(config, context)).state_dict())
+    ndarrays = parameters_to_ndarrays(ins.parameters)
+    if len(ndarrays) != len(keys):
+        raise ValueError(f"the server sent {len(ndarrays)} arrays for a model of {len(keys)} state entries")
+    msg.content = RecordDict(
+        {
+            "arrays": ArrayRecord(dict(zip(keys, (torch.from_numpy(a.copy()) for a in ndarrays)))),
+            "config": ConfigRecord(config),
+        }
+    )
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+    content, ok = reply.content, Status(code=Code.OK, message="")
+    metrics = {k: v for k, v in content["metrics"].items() if k != "num-examples"}
+    num_examples = int(content["metrics"]["num-examples"])  # type: ignore[arg-type]
+    if fit:
+        arrays = content["arrays"]
+        # In float64: Flower's quantize computes in the arrays' dtype, and float32 would round the shifted
+        # weight (w + C) * Q / 2C to 24 bits, coarser than the grid once Q > 2**24. Only the mod sees these
+        # arrays: what leaves the client is the masked integers either way.
+        weights = [_float64(arrays[k].numpy()) for k in keys]
+        if "meta" in content:
+            metrics[META_METRIC] = json.dumps(dict(content["meta"]))
+        if "oracle" in content:
+            metrics[ORACLE_METRIC] = bytes(content["oracle"]["safetensors"])  # type: ignore[arg-type]
+        fitres = FitRes(ok, ndarrays_to_parameters(weights), num_examples, metrics)  # type: ignore[arg-type]
+        out = compat.fitres_to_recorddict(fitres, keep_input=True)
+    else:
+        loss = float(metrics.get("loss", 0.0))  # type: ignore[arg-type]
+        out = compat.evaluateres_to_recorddict(EvaluateRes(ok, loss, num_examples, metrics))  # type: ignore[arg-type]
+    return Message(content=out, reply_to=msg)
+
+
+def _float64(array: Any) -> Any:
+    import numpy as np
+
+    return array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) else array
+
+
+def _config_of(sent: dict[str, Any], context: Context) -> dict[str, Any]:
+    return resolve_config(dict(context.run_config), sent, strict=False)
 
 
 def defense_mod(msg: Message, context: Context, call_next: Any) -> Message:
@@ -57,8 +135,7 @@ def _link(mod: Any, call_next: Any) -> Any:
 
 def _config(msg: Message, context: Context) -> dict[str, Any]:
     """Run config (pyproject/flwr run) overlaid by what the server sent this round."""
-    sent = msg.content.get("config", ConfigRecord())
-    return resolve_config(dict(context.run_config), dict(sent), strict=False)
+    return _config_of(dict(msg.content.get("config", ConfigRecord())), context)
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -173,5 +250,6 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
 
 
 # Plain functions above so tests can call them directly; registered with the app here.
-app.train(mods=[defense_mod])(handle_train)
-app.evaluate()(handle_evaluate)
+# Outermost first: SecAgg+ masks the reply of everything inside it (the defense's mods included).
+app.train(mods=[secagg_mod, legacy_mod, defense_mod])(handle_train)
+app.evaluate(mods=[legacy_mod])(handle_evaluate)

@@ -69,6 +69,12 @@ class Defense:
     # Runs inside the client's local round rather than as a mod on its reply: each step is DP-SGD
     # (fedsim.dp_sgd; fedsim.task.local_plan gives the plan its DpSgdSpec). Its epsilon is the clients'.
     in_local_round: bool = False
+    # Under secure aggregation (fedsim.secagg) the server's strategy is a legacy Flower strategy: the
+    # same wrapper from flwr.server.strategy, (strategy, cfg, num_sampled_clients) -> Strategy.
+    wrap_legacy: Callable[[Any, Mapping[str, Any], int], Any] | None = None
+    # What of this defense needs each client's update on the server, in words ("" when nothing does): such
+    # a defense cannot run under secure aggregation, where the server only ever holds their mean.
+    needs_each_update: str = ""
 
 
 def _no_mods(cfg: Mapping[str, Any]) -> list[Any]:
@@ -96,6 +102,14 @@ def _prune_mods(cfg: Mapping[str, Any]) -> list[Any]:
 
 def _wrap_client_clipping(strategy: Any, cfg: Mapping[str, Any], num_sampled: int) -> Any:
     from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    return DifferentialPrivacyClientSideFixedClipping(
+        strategy, float(cfg["noise-multiplier"]), float(cfg["clip-norm"]), num_sampled
+    )
+
+
+def _wrap_client_clipping_legacy(strategy: Any, cfg: Mapping[str, Any], num_sampled: int) -> Any:
+    from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping
 
     return DifferentialPrivacyClientSideFixedClipping(
         strategy, float(cfg["noise-multiplier"]), float(cfg["clip-norm"]), num_sampled
@@ -160,6 +174,7 @@ DEFENSES: dict[str, Defense] = {
             family="central DP, client clipping",
             level="noise-multiplier",
             level_name="z",
+            wrap_legacy=_wrap_client_clipping_legacy,
         ),
         Defense(
             "central-dp-server-clipping",
@@ -174,6 +189,7 @@ DEFENSES: dict[str, Defense] = {
             family="central DP, server clipping",
             level="noise-multiplier",
             level_name="z",
+            needs_each_update="Flower's server-side clipping clips each client's update on the server",
         ),
         Defense(
             "prune",
@@ -223,9 +239,13 @@ def client_mods(cfg: Mapping[str, Any]) -> list[Any]:
 
 
 def wrap_strategy(strategy: Any, cfg: Mapping[str, Any], num_sampled_clients: int) -> Any:
-    """``strategy`` wrapped as the run config's defense asks (the same object when it asks nothing)."""
+    """``strategy`` wrapped as the run config's defense asks (the same object when it asks nothing);
+    under secure aggregation (``secagg``) ``strategy`` is a legacy one, and so is its wrapper."""
     defense = get_defense(str(cfg["defense"]))
-    return strategy if defense.wrap is None else defense.wrap(strategy, cfg, num_sampled_clients)
+    wrap = defense.wrap_legacy if cfg.get("secagg") else defense.wrap
+    if wrap is None and defense.wrap is not None:  # the run config refuses this combination first
+        raise ValueError(f"defense {defense.name} has no wrapper for secure aggregation")
+    return strategy if wrap is None else wrap(strategy, cfg, num_sampled_clients)
 
 
 def check_run(cfg: Mapping[str, Any], state_dtypes: Mapping[str, Any] | None) -> str | None:

@@ -22,7 +22,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedsim.capture_kinds import CAPTURE_KINDS
+from fedsim import secagg
+from fedsim.capture_kinds import client_kinds
 from fedsim.capture_rounds import parse_capture_rounds
 from fedsim.client_step import BATCH_ORDERS, OPTIMIZERS
 from fedsim.data.hf import parse_source
@@ -323,6 +324,53 @@ SCHEMA: tuple[Setting, ...] = (
         "ModuleValidator.fix instead of refusing the model",
         group="defense",
     ),
+    # secure aggregation: Flower's SecAgg+ (fedsim.secagg)
+    Setting(
+        "secagg",
+        False,
+        "secure aggregation: Flower's SecAgg+ (SecAggPlusWorkflow on the server, secaggplus_mod on the clients); "
+        "the server sees only the quantized num_examples-weighted mean of each round's replies",
+        group="secure aggregation",
+    ),
+    Setting(
+        "num-shares",
+        1.0,
+        "secagg: the shares each client's secrets are split into; an integer >= 3, or a fraction in (0, 1] "
+        "of the sampled clients (2 clients need the fraction)",
+        range=POSITIVE,
+        group="secure aggregation",
+    ),
+    Setting(
+        "reconstruction-threshold",
+        0.5,
+        "secagg: the shares that reconstruct a secret (the dropouts a round survives); an integer >= 2 below "
+        "num-shares, or a fraction in (0, 1] of num-shares (at least 2)",
+        range=POSITIVE,
+        group="secure aggregation",
+    ),
+    Setting(
+        "max-weight",
+        1000.0,
+        "secagg: the largest num_examples weight of one client; each client's weights are scaled by "
+        "num_examples / max-weight before quantization",
+        range=POSITIVE,
+        group="secure aggregation",
+    ),
+    Setting(
+        "clipping-range",
+        8.0,
+        "secagg: the scaled weights are clipped to [-clipping-range, clipping-range] before quantization",
+        range=POSITIVE,
+        group="secure aggregation",
+    ),
+    Setting(
+        "quantization-range",
+        4194304,
+        "secagg: the integer levels of the quantization grid (step 2 * clipping-range / quantization-range); "
+        "Flower's default 2**22",
+        range=AT_LEAST_1,
+        group="secure aggregation",
+    ),
     # capture / audit
     Setting(
         "capture-rounds",
@@ -335,7 +383,7 @@ SCHEMA: tuple[Setting, ...] = (
         "capture-kind",
         "gradient",
         "gradient: one-step SGD rounds on B victims; update: normal rounds",
-        choices=tuple(CAPTURE_KINDS),
+        choices=client_kinds(),
         group="capture",
     ),
     Setting(
@@ -465,6 +513,9 @@ def resolve_config(*layers: Mapping[str, Any] | None, strict: bool = True) -> di
         check_options(cfg["strategy"], cfg["strategy-options"])
     except StrategyOptionsError as err:
         raise RunConfigError(str(err)) from None
+    problem = secagg.problem(cfg)  # secure aggregation with its settings, the strategy and the defense
+    if problem:
+        raise RunConfigError(problem)
     try:  # the partitioner must take its options (and Flower Datasets' own checks of them pass)
         make_partitioner(cfg["partitioning"], cfg["partitioner-options"], cfg["num-clients"], cfg["seed"], cfg)
     except PartitionError as err:

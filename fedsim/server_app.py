@@ -17,32 +17,30 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import save_file
 
 from fedsim import defenses, dp_sgd, strategies, task
 from fedsim.atomic import atomic_path, atomic_write
 from fedsim.run_config import capture_rounds, resolve_config
+from fedsim.secagg import sampled_clients
 from fedsim.strategy import CuriousStrategy
 
 ROUND_FIELDS = ["round", "accuracy", "loss", "train_loss", "num_replies", "captured", "elapsed_s"]
 
 
-def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Run the whole federation on ``grid`` and write its results; returns the summary."""
+def run_server(grid: Grid, cfg: Mapping[str, Any], context: Context | None = None) -> dict[str, Any]:
+    """Run the whole federation on ``grid`` and write its results; returns the summary. Under secure
+    aggregation (``secagg``: fedsim.secagg_server) the rounds are Flower's SecAgg+ workflow, which runs in
+    a LegacyContext around ``context`` (the ServerApp's; a bare one when None)."""
     t0 = time.time()
     run_dir = Path(cfg["run-dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.json", json.dumps(dict(cfg), indent=1, sort_keys=True))
     n = int(cfg["num-clients"])
     model = task.make_model(cfg)
-    sampled = max(1, int(n * float(cfg["fraction-train"])))
-    strategy = _curious_strategy(cfg, run_dir, n, sampled)
-    # The defense's strategy wrapper (central DP), if any, goes around the curious strategy: Flower's
-    # server-side clipping happens in the wrapper before the strategy sees the replies, and the noise
-    # after it aggregated them, so the captures hold clipped, un-noised updates (fedsim.defenses).
-    server = defenses.wrap_strategy(strategy, cfg, sampled)
+    sampled = sampled_clients(cfg)
     test = task.load_split(cfg, train=False)
     rows: list[dict[str, Any]] = []
     patience = int(cfg["early-stop-patience"])
@@ -51,10 +49,10 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     with open(csv_path, "w", newline="") as fh:
         csv.DictWriter(fh, ROUND_FIELDS).writeheader()
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def evaluate(server_round: int, state: dict[str, Any]) -> dict[str, float] | None:
         if strategy.stopped:
             return None
-        model.load_state_dict(arrays.to_torch_state_dict())
+        model.load_state_dict(state)
         stats = task.evaluate(model, test, int(cfg["eval-batch-size"]))
         row = {
             "round": server_round,
@@ -74,18 +72,18 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
             best["stale"] += 1
             if patience > 0 and best["stale"] >= patience:
                 strategy.stopped = True  # later rounds become no-ops
-        return MetricRecord(stats)
+        return stats
 
-    sent = ConfigRecord({k: v for k, v in cfg.items()})
-    result = server.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=int(cfg["num-server-rounds"]),
-        train_config=sent,
-        evaluate_config=ConfigRecord(dict(sent)),
-        evaluate_fn=evaluate_fn,
-    )
-    final_state = result.arrays.to_torch_state_dict() if result.arrays is not None else model.state_dict()
+    strategy: Any
+    if cfg["secagg"]:
+        from fedsim import secagg_server
+
+        strategy = secagg_server.curious_strategy(cfg, run_dir, n, sampled, model.state_dict(), evaluate)
+        base = context or Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+        final_state = secagg_server.run(grid, base, cfg, strategy, sampled)
+    else:
+        strategy = _curious_strategy(cfg, run_dir, n, sampled)
+        final_state = _run_message_api(grid, cfg, model, strategy, sampled, evaluate)
     with atomic_path(run_dir / "final_model.safetensors") as tmp:
         save_file(
             {k: v.contiguous() for k, v in final_state.items()},
@@ -112,6 +110,31 @@ def run_server(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     # Standard JSON: a value that is not a number (round 0 has no training loss) is written as null.
     atomic_write(run_dir / "results.json", json.dumps(_finite(summary), indent=1, allow_nan=False))
     return summary
+
+
+def _run_message_api(
+    grid: Grid, cfg: Mapping[str, Any], model: Any, strategy: CuriousStrategy, sampled: int, evaluate: Any
+) -> dict[str, Any]:
+    """The rounds as Flower's Message API runs them: the strategy's ``start``; the final state dict."""
+    # The defense's strategy wrapper (central DP), if any, goes around the curious strategy: Flower's
+    # server-side clipping happens in the wrapper before the strategy sees the replies, and the noise
+    # after it aggregated them, so the captures hold clipped, un-noised updates (fedsim.defenses).
+    server = defenses.wrap_strategy(strategy, cfg, sampled)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        stats = evaluate(server_round, arrays.to_torch_state_dict())
+        return None if stats is None else MetricRecord(stats)
+
+    sent = ConfigRecord({k: v for k, v in cfg.items()})
+    result = server.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=int(cfg["num-server-rounds"]),
+        train_config=sent,
+        evaluate_config=ConfigRecord(dict(sent)),
+        evaluate_fn=evaluate_fn,
+    )
+    return result.arrays.to_torch_state_dict() if result.arrays is not None else model.state_dict()
 
 
 def _finite(value: Any) -> Any:
@@ -158,7 +181,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         cfg = resolve_config(dict(context.run_config), dict(overrides or {}), strict=False)
-        run_server(grid, cfg)
+        run_server(grid, cfg, context)
 
     return server_app
 

@@ -3,6 +3,11 @@ the parameters it takes from the run config's ``strategy-options`` (a JSON objec
 keyword names). The curious capture (``fedsim.strategy.CuriousStrategy``) wraps whichever one is
 built here, so aggregation is always Flower's own code.
 
+Under secure aggregation (``secagg``) the server runs Flower's SecAgg+ workflow, which drives a legacy
+``flwr.server.strategy`` strategy: each entry names its legacy class too (the same keyword parameters),
+or none where the strategy needs each client's model (median, trimmed mean, Krum) and SecAgg+ gives the
+server only their weighted mean.
+
 This module imports Flower only when a strategy is built: the run config (``--help`` included)
 reads the table's names and parameters without loading ``flwr.serverapp``.
 """
@@ -58,11 +63,21 @@ class StrategyEntry:
     # Changes the client's local objective (FedProx's proximal term): the client step adds it when the
     # server sends it (fedsim.client_app), and the attacker's replay reads it from the capture.
     client_objective: str = ""
+    # The same strategy in flwr.server.strategy (the legacy API that SecAgg+'s workflow drives), taking
+    # the same parameters; "" where it aggregates each client's model, which secure aggregation hides.
+    legacy_class: str = ""
 
     def flower(self) -> type:
         import flwr.serverapp.strategy as flwr_strategies
 
         return getattr(flwr_strategies, self.flower_class)
+
+    def legacy(self) -> type:
+        import flwr.server.strategy as flwr_legacy
+
+        if not self.legacy_class:
+            raise StrategyOptionsError(f"strategy {self.name} has no form for secure aggregation")
+        return getattr(flwr_legacy, self.legacy_class)
 
 
 _POSITIVE = _float(0.0, low_open=True)
@@ -79,18 +94,27 @@ _FEDOPT = {
 STRATEGIES: dict[str, StrategyEntry] = {
     e.name: e
     for e in (
-        StrategyEntry("fedavg", "FedAvg", "sample-weighted average of the client models"),
+        StrategyEntry("fedavg", "FedAvg", "sample-weighted average of the client models", legacy_class="FedAvg"),
         StrategyEntry(
             "fedprox",
             "FedProx",
             "FedAvg's aggregation; clients add (mu/2)||w - w_global||^2 to their loss",
             {"proximal_mu": Param(_float(0.0), "weight of the proximal term")},
             client_objective="proximal_mu",
+            legacy_class="FedProx",
         ),
-        StrategyEntry("fedadam", "FedAdam", "FedAvg's average as a pseudo-gradient for a server Adam step", _FEDOPT),
-        StrategyEntry("fedyogi", "FedYogi", "FedAvg's average as a pseudo-gradient for a server Yogi step", _FEDOPT),
         StrategyEntry(
-            "fedadagrad", "FedAdagrad", "FedAvg's average as a pseudo-gradient for a server Adagrad step", _FEDOPT
+            "fedadam", "FedAdam", "FedAvg's average as a pseudo-gradient for a server Adam step", _FEDOPT, "", "FedAdam"
+        ),
+        StrategyEntry(
+            "fedyogi", "FedYogi", "FedAvg's average as a pseudo-gradient for a server Yogi step", _FEDOPT, "", "FedYogi"
+        ),
+        StrategyEntry(
+            "fedadagrad",
+            "FedAdagrad",
+            "FedAvg's average as a pseudo-gradient for a server Adagrad step",
+            _FEDOPT,
+            legacy_class="FedAdagrad",
         ),
         StrategyEntry("fedmedian", "FedMedian", "coordinate-wise median of the client models"),
         StrategyEntry(
@@ -155,3 +179,22 @@ def build_strategy(name: str, options: str | Mapping[str, Any], **common: Any) -
     if unknown:
         raise TypeError(f"not a federation argument: {', '.join(sorted(unknown))}")
     return get_strategy(name).flower()(**common, **check_options(name, options))
+
+
+# The legacy API's names for the federation arguments (flwr.server.strategy.FedAvg and its subclasses).
+LEGACY_ARGS = {
+    "fraction_train": "fraction_fit",
+    "fraction_evaluate": "fraction_evaluate",
+    "min_train_nodes": "min_fit_clients",
+    "min_evaluate_nodes": "min_evaluate_clients",
+    "min_available_nodes": "min_available_clients",
+}
+
+
+def build_legacy_strategy(name: str, options: str | Mapping[str, Any], **kwargs: Any) -> Any:
+    """The legacy Flower strategy (``flwr.server.strategy``) of entry ``name``, for the SecAgg+ workflow:
+    ``options`` checked as for :func:`build_strategy`, the federation arguments (by this module's
+    names) renamed to the legacy ones, and the legacy-only ones (evaluate_fn, on_fit_config_fn,
+    initial_parameters, ...) passed through."""
+    common = {LEGACY_ARGS.get(k, k): v for k, v in kwargs.items()}
+    return get_strategy(name).legacy()(**common, **check_options(name, options))

@@ -46,6 +46,15 @@ def check_defense(cfg: Mapping[str, Any]) -> list[str]:
     """RunConfigError when the run's defense cannot be applied to its model (fedsim.defenses.check_run)
     or, under dp-sgd, to its model and clients' data (fedsim.dp_sgd); else what it changed in the model
     (dp-fix-model), one line per module."""
+    if cfg.get("secagg"):
+        # SecAgg+ quantizes and averages every state entry as a float (flwr's quantize), so an integer
+        # buffer (BatchNorm's num_batches_tracked) would come back a float mean.
+        ints = [k for k, v in make_model(cfg).state_dict().items() if not v.is_floating_point()]
+        if ints:
+            raise RunConfigError(
+                f"secagg cannot run with model {cfg['model']}: SecAgg+ averages every state entry as a float, "
+                f"and {ints[0]} is not floating point"
+            )
     if _dp_sgd(cfg):
         return _check_dp_sgd(cfg)
     dtypes = (

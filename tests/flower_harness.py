@@ -53,3 +53,50 @@ def offline_config(overrides: dict) -> dict:
     except DataUnavailableError as exc:
         pytest.skip(f"no offline MNIST sample: {exc}")
     return config
+
+
+class AppGrid:
+    """A Grid that hands every message to the ClientApp itself (``fedsim.client_app.app``, its mods
+    included) in this process, each node with a Context that lasts the run (SecAgg+ keeps its keys in
+    it), a copy of each message as a real transport would deliver. A node in ``fail`` raises in
+    every train message that carries an instruction (its client's round): an error reply, as Flower's
+    runtime turns a raising ClientApp into one."""
+
+    def __init__(self, node_ids: list[int], fail: tuple[int, ...] = ()) -> None:
+        from types import SimpleNamespace
+
+        self.node_ids = list(node_ids)
+        self.fail = set(fail)
+        self.run = SimpleNamespace(run_id=1)
+        self.contexts = {
+            node: Context(
+                run_id=1,
+                node_id=node,
+                node_config={"partition-id": i, "num-partitions": len(node_ids)},
+                state=RecordDict(),
+                run_config={},
+            )
+            for i, node in enumerate(node_ids)
+        }
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+    def send_and_receive(self, messages, timeout=None) -> list[Message]:
+        import copy
+
+        from flwr.app import Error
+
+        from fedsim.client_app import app
+
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            delivered = copy.deepcopy(msg)
+            try:
+                if node in self.fail and "fitins.parameters" in msg.content.array_records:
+                    raise RuntimeError(f"node {node} dropped out")
+                replies.append(app(delivered, self.contexts[node]))
+            except Exception as err:  # noqa: BLE001 - any client failure is an error reply
+                replies.append(Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=delivered))
+        return replies

@@ -270,7 +270,10 @@ def test_a_capture_kind_is_one_entry_that_every_site_asks(tmp_path: Path, monkey
     assert dp_sgd.capture_steps(dict(cfg, **{"capture-kind": "round"}), 10) == 3
 
     monkeypatch.delitem(CAPTURE_KINDS, "step")
-    with pytest.raises(CaptureError, match="capture kind must be one of \\('gradient', 'update', 'round'\\)"):
+    with pytest.raises(
+        CaptureError,
+        match="capture kind must be one of \\('gradient', 'update', 'secagg-gradient', 'secagg-update', 'round'\\)",
+    ):
         save_capture(tmp_path / "c", step)
     with pytest.raises(CaptureError, match="unknown kind 'step'"):
         load_capture(loaded_step.path)

@@ -72,6 +72,8 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
         assert all(_alive(pid) for pid in direct.values())
         result = dep.run(cfg, timeout=300)
         assert dep.run_status(result.run_id)["status"] == COMPLETED  # read back from the SuperLink
+        # secure aggregation on the same SuperNodes: Flower's SecAgg+ workflow and mod across processes
+        secure = dep.run(_config(tmp_path / "secagg", secagg=True, **{"num-server-rounds": 1}), timeout=300)
         # `flwr run --stream` exits 0 for a failed run too: the status from `flwr ls` tells
         failed = dep.run(_config(tmp_path / "failed", model="no-such-model"), timeout=120)
         assert failed.status == "finished:failed" and not failed.ok
@@ -82,6 +84,11 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
     assert [pid for pid in dep.seen_pids if _alive(pid)] == []
     assert marked_pids(dep.marker) == []
     assert all(proc.returncode is not None for proc in dep.procs.values())
+
+    assert secure.ok, dep.log_tail("flwr-run")
+    (aggregate,) = [load_capture(p) for p in list_captures(tmp_path / "secagg")]
+    assert aggregate.kind == "secagg-gradient" and aggregate.aggregate.clients == [0, 1]
+    assert aggregate.batch_size == 4 and aggregate.aggregate.num_examples == [2, 2]
 
     # the same run folder as the simulation: results, rounds, captures readable by load_capture
     results = json.loads((run_dir / "results.json").read_text())

@@ -72,9 +72,11 @@ def test_the_offline_demo_embeds_configs_attacks_demo_yaml():
 
 def test_every_capture_kind_is_a_run_config_choice_and_a_demo_variant():
     from attacker.story import STORIES
-    from fedsim.capture_kinds import CAPTURE_KINDS
+    from fedsim.capture_kinds import CAPTURE_KINDS, aggregate_kind, client_kinds
     from fedsim.run_config import resolve_config
 
-    assert SETTINGS["capture-kind"].choices == tuple(CAPTURE_KINDS) == tuple(STORIES)
+    # A run chooses what one client's reply is; under secagg the server records that kind's aggregate.
+    assert SETTINGS["capture-kind"].choices == client_kinds() == tuple(STORIES)
+    assert {aggregate_kind(k) for k in client_kinds()} == set(CAPTURE_KINDS) - set(client_kinds())
     for kind, story in STORIES.items():
         assert resolve_config(story.federation, {})["capture-kind"] == kind

@@ -129,7 +129,8 @@ def score_images(
                 ImageScore(
                     job.job_id,
                     job.meta.get("round"),
-                    job.meta.get("client"),
+                    # an aggregate's images each belong to one of its clients
+                    job.meta["image_clients"][i] if "image_clients" in job.meta else job.meta.get("client"),
                     i,
                     int(job.labels[i]),
                     per_attack,

@@ -48,7 +48,11 @@ def check_group(jobs: list[VictimJob], attacks: list[AttackConfig]) -> None:
     for job in jobs[1:]:
         if job.spec != first.spec or job.weights is not first.weights or job.batch_size != first.batch_size:
             raise ValueError("jobs of one module must share model spec, weights and batch size")
-        if job.kind != first.kind or job.steps != first.steps or job.copies != first.copies:
+        if (
+            job.kind != first.kind
+            or job.steps != first.steps
+            or (job.copies, job.members) != (first.copies, first.members)
+        ):
             raise ValueError("jobs of one module must share what they match (gradient or update) and its steps")
 
 

@@ -30,6 +30,7 @@ class Matcher(nn.Module):
         first = jobs[0]
         self.model, self.V, self.B = model, len(jobs), first.batch_size
         self.plan, self.steps = first.plan, first.steps  # an update job: the client's local round
+        self.members = first.members  # a SecAgg+ mean of several clients' rounds (one job each: their images)
         self.register_buffer("labels", torch.cat([j.labels for j in jobs]), persistent=False)
         for i, param_targets in enumerate(zip(*[j.gradient for j in jobs])):
             self.register_buffer(f"target_{i}", torch.stack(param_targets).float(), persistent=False)
@@ -150,4 +151,5 @@ class Matcher(nn.Module):
             targets,
             [self._support(j, self.labels.device) for j in active],
             [annealed_eps(self.plan.optimizer.eps, a, iteration) for a in attacks] if attacks is not None else None,
+            self.members,
         )

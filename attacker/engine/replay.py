@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from fedsim.client_step import LocalPlan, run_local_round
+from fedsim.client_step import LocalPlan, plan_batches, run_local_round
 
 from ..attacks import AttackConfig
 from .gradients import MatchTerms
@@ -59,6 +59,34 @@ def smoothing_end(attack: AttackConfig) -> int | None:
     return end if end < attack.max_iterations else None
 
 
+def replayed_update(
+    model: nn.Module,
+    start: dict[str, Tensor],
+    plan: LocalPlan,
+    images: Tensor,
+    labels: Tensor,
+    members: tuple[tuple[int, float], ...] = (),
+) -> dict[str, Tensor]:
+    """The update of ``plan`` (its masks: per step) replayed on ``images`` from ``start``; with
+    ``members`` (a SecAgg+ mean of several clients' rounds: each one's image count and weight, images
+    and steps client-major), each client's round from the same start on its own images, the updates
+    averaged by weight as the secure aggregation averaged them."""
+    if not members:
+        return run_local_round(model, TensorDataset(images, labels), plan, start=start).update
+    total = sum(weight for _, weight in members)
+    mean: dict[str, Tensor] = {}
+    offset = step = 0
+    for count, weight in members:
+        steps = len(plan_batches(plan, count))
+        member = replace(plan, masks=plan.masks[step : step + steps] if plan.masks is not None else None)
+        data = TensorDataset(images[offset : offset + count], labels[offset : offset + count])
+        update = run_local_round(model, data, member, start=start).update
+        for key, value in update.items():
+            mean[key] = mean[key] + value * (weight / total) if key in mean else value * (weight / total)
+        offset, step = offset + count, step + steps
+    return mean
+
+
 def replay_terms(
     model: nn.Module,
     start: dict[str, Tensor],
@@ -69,15 +97,17 @@ def replay_terms(
     targets: list[list[Tensor]],
     supports: list[list[Tensor] | None] | None = None,
     eps: list[float] | None = None,
+    members: tuple[tuple[int, float], ...] = (),
 ) -> MatchTerms:
     """For each job j: replay ``plan`` on ``images[j]`` with ``masks[j]`` (per step, per dropout
     layer) from the weights ``start``, and return <Δ_j, Δ*_j>, ||Δ_j||², ||Δ*_j||² per parameter.
     ``supports[j]`` (a pruned capture) cuts the replayed Δ_j to the entries the client kept;
-    ``eps[j]`` (an Adam plan) is the ε job j's replay uses in place of the client's."""
+    ``eps[j]`` (an Adam plan) is the ε job j's replay uses in place of the client's. ``members``: the
+    jobs are SecAgg+ means of several clients' rounds (``replayed_update``), replayed job by job."""
     # An all-Linear model under SGD replays all jobs at once in low-rank form (replay_lowrank). The loop
     # stays for the rest: a Conv layer's update is not low-rank, and Adam's elementwise step needs each
     # job's own weights (~88% of its time scales with them, measured: batching could gain ~1.1x at most).
-    if batched_replay_applies(model, plan, images, masks):
+    if not members and batched_replay_applies(model, plan, images, masks):
         return lowrank_replay_terms(model, start, plan, images, labels, masks, targets, supports)
     names = [n for n, _ in model.named_parameters()]
     dots, norms, target_norms = [], [], []
@@ -87,7 +117,7 @@ def replay_terms(
         )
         if eps is not None and plan.optimizer.algorithm.smoothed_eps_replay:
             job_plan = replace(job_plan, optimizer=replace(plan.optimizer, eps=eps[j]))
-        update = run_local_round(model, TensorDataset(x, y), job_plan, start=start).update
+        update = replayed_update(model, start, job_plan, x, y, members)
         delta = [update[n] for n in names]
         support = supports[j] if supports is not None else None
         if support is not None:

@@ -76,6 +76,7 @@ def group_jobs(jobs: list[VictimJob]) -> list[list[int]]:
             job.batch_size,
             job.kind,
             json.dumps(job.steps),
+            job.members,
             None if job.plan is None else (repr(job.plan.optimizer), job.plan.proximal_mu),
         )
         groups.setdefault(key, []).append(i)
