@@ -1,7 +1,6 @@
-import logging
 import os
-import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,81 +75,67 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(4, max(2, _cores()))
 
 
-# Scheduling (pytest-xdist's --dist loadgroup, pyproject's addopts): each group runs on one worker.
-# A test is in its module's group, so that a module-scoped federation fixture runs once (as with
-# --dist loadfile), except the slow tests below: each is a group of its own, so that they spread
-# over the workers. Groups start in this order, slowest first, then the modules in collection order,
-# so that what starts last is short. Approximate seconds on 2 cores with 2 workers in the comments;
-# a test missing here only runs later than it could.
+# Scheduling on pytest-xdist's workers (pytest_xdist_make_scheduler below): each group runs on one
+# worker. A test is in its module's group, so that a module-scoped fixture (a federation, a run
+# folder) is made once, as with --dist loadfile, except the slow tests below: each is a group of its
+# own, so that they spread over the workers. Groups start in this order, slowest first, then the
+# modules in collection order, so that what starts last is short. Seconds in the comments: measured
+# with 2 workers on the 2-core machine while others used it (load average about 6). A test missing
+# here only starts later than it could.
 SLOW_FIRST = [
-    "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 4 Ray federations
-    "tests/test_reliability.py::test_sigkilled_attack_resumes_to_the_uninterrupted_result",  # 3 attack processes
-    "tests/test_notebook.py::test_walkthrough_notebook_executes",
-    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",
-    "tests/test_deployment.py::test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures",
-    "tests/test_deployment.py::test_cli_deploy_local_with_tls_and_supernode_auth",
-    "tests/test_faults.py::test_one_round_with_100_clients_all_captured",
-    "tests/test_reproduction.py",
-    "tests/test_stochastic_depth.py",
+    "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 154: 4 federations
+    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 142
+    "tests/test_deployment.py::test_cli_deploy_local_with_tls_and_supernode_auth",  # 117
+    "tests/test_faults.py::test_one_round_with_100_clients_all_captured",  # 100
+    "tests/test_defenses.py::test_deployment_applies_the_prune_mod",  # 99
+    "tests/test_cli.py::test_main_job_tells_the_whole_federated_story",  # 90
+    "tests/test_faults.py",  # 88
+    "tests/test_deployment.py::test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures",  # 82
+    "tests/test_reproduction.py",  # 74
+    "tests/test_reliability.py::test_sigkilled_attack_resumes_to_the_uninterrupted_result",  # 70
+    "tests/test_experiments.py::test_cells_on_ray_equal_the_sequential_run",  # 57
+    "tests/test_experiments.py",  # about 110 more
+    "tests/test_commands.py",  # about 200 (one `fedsim simulate` feeds four of them)
+    "tests/test_commands.py::test_fedsim_deploy_local",  # 67
+    "tests/test_live.py",  # 64
+    "tests/test_commands.py::test_fedsim_sweep",  # 61
+    "tests/test_simulation.py",  # about 100
+    "tests/test_notebook.py::test_walkthrough_notebook_executes",  # 50
+    "tests/test_dp_sgd.py",  # about 60
+    "tests/test_commands.py::test_attacker_demo",  # 45
+    "tests/test_defenses.py",  # about 45
     "tests/test_own_models.py",
-    "tests/test_commands.py::test_fedsim_deploy_local",
-    "tests/test_commands.py::test_fedsim_sweep",
-    "tests/test_commands.py::test_attacker_demo",
-    "tests/test_commands.py",
-    "tests/test_simulation.py",
-    "tests/test_experiments.py",
-    "tests/test_replay_batched.py",
-    "tests/test_defenses.py",
     "tests/test_engine.py",
-    "tests/test_fedavg.py",
-    "tests/test_faults.py",
-    "tests/test_dp_sgd.py",
+    "tests/test_fedprox.py",
+    "tests/test_replay_batched.py",
     "tests/test_deployment.py",
-    "tests/test_live.py",
+    "tests/test_stochastic_depth.py",
     "tests/test_paper_victims.py",
-    "tests/test_cli.py",
 ]
 
 
 def _group(nodeid: str) -> tuple[int, str]:
-    """(rank, group) of a test: its entry of SLOW_FIRST (a test's own, else its module's), else its module."""
-    module = nodeid.split("::", 1)[0]
-    for rank, entry in enumerate(SLOW_FIRST):
-        if nodeid == entry or (nodeid.startswith(entry + "[")) or entry == module:
-            return rank, entry
+    """(rank, group) of a test: its own entry of SLOW_FIRST, else its module's entry, else its module."""
+    test, module = nodeid.split("[", 1)[0], nodeid.split("::", 1)[0]
+    for key in (test, module):
+        if key in SLOW_FIRST:
+            return SLOW_FIRST.index(key), key
     return len(SLOW_FIRST), module
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    ranked = []
-    for index, item in enumerate(items):
-        rank, group = _group(item.nodeid)
-        if not any(True for _ in item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(group))
-        ranked.append((rank, index, item))
-    items[:] = [item for _, _, item in sorted(ranked, key=lambda r: r[:2])]
+    """The tests in the order their groups start (pyproject: --no-loadscope-reorder keeps it)."""
+    order = sorted(range(len(items)), key=lambda i: (_group(items[i].nodeid)[0], i))
+    items[:] = [items[i] for i in order]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_and_deterministic():
-    torch.manual_seed(0)
-    if torch.get_num_threads() != TORCH_THREADS:  # a test before this one changed it
-        torch.set_num_threads(TORCH_THREADS)
-    warnings.filterwarnings("ignore", module="lightning")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    yield
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scope scheduling with the groups of :func:`_group` as the scopes (its own
+    --dist loadgroup reads marks that pytest 9.2's node ids no longer carry to the scheduler)."""
+    from xdist.scheduler import LoadScopeScheduling
 
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)[1]
 
-@pytest.fixture
-def mnist_like():
-    """A few real-looking MNIST-shaped victims without touching disk: strokes on black, normalized."""
-    g = torch.Generator().manual_seed(1)
-    imgs = torch.zeros(4, 1, 28, 28)
-    for i in range(4):
-        r = torch.randint(6, 20, (2,), generator=g)
-        imgs[i, 0, r[0] : r[0] + 8, 8:20] = 1.0
-        imgs[i, 0, 4:24, r[1] : r[1] + 3] = 1.0
-    mean, std = 0.13066373765468597, 0.30810782313346863
-    return (imgs - mean) / std, torch.tensor([1, 7, 3, 9])
+    return GroupScheduling(config, log)
