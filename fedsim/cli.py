@@ -342,7 +342,7 @@ def cmd_captures(args: argparse.Namespace) -> int:
         labels = c.label_policy if c.labels is None else ",".join(str(int(v)) for v in c.labels[:8])
         table.add_row(
             str(c.round),
-            str(c.client),
+            str(c.client) if c.aggregate is None else "mean of " + ",".join(map(str, c.aggregate.clients)),
             c.kind,
             c.spec.name,
             f"{c.p:g}",

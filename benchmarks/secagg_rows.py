@@ -1,0 +1,114 @@
+"""RESULTS' secure-aggregation rows: for each N and quantization, a Flower simulation of N clients with one
+image each under SecAgg+ (round 1 captured, audit on), ``attacker audit`` of it, and beside it the same
+clients without secure aggregation (each one-step gradient captured alone). Prints one markdown table:
+the quantization step and the true update's RMS entry (from the oracle: the clean batch gradient of the
+clients' images with their masks), the captured mean's actual error, and IG / DIA / WIIG SSIM per image.
+
+    python benchmarks/secagg_rows.py OUT [--clients 2 4] [--iterations N]
+
+Runs that finished are reused (a folder holding results.json / audit.json), so the table can be rebuilt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fedsim import task
+from fedsim.capture import find_oracles, list_captures, load_capture
+from fedsim.models import set_dropout_mode, set_masks
+from fedsim.run_config import resolve_config
+
+# The fine grid: weights unscaled (one image per client, max-weight 1), clipped to [-1, 1], 2**28 levels.
+# (folder, the table's words, secure aggregation on, its flags)
+CELLS = (
+    ("fine", "SecAgg+, fine", True, ["--max-weight", "1", "--clipping-range", "1", "--quantization-range", str(2**28)]),
+    ("mw1", "SecAgg+, max-weight 1 (Flower's clipping and quantization ranges)", True, ["--max-weight", "1"]),
+    ("defaults", "SecAgg+, Flower's defaults", True, []),
+    ("plain", "no secure aggregation", False, []),
+)
+ATTACKS = ("ig_eval", "dia", "wiig")
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as fh:
+        subprocess.run([sys.executable, "-m", *cmd], check=True, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def federation(out: Path, n: int, secagg: bool, quantization: list[str]) -> Path:
+    run = out / "fed"
+    if not (run / "results.json").is_file():
+        flags = ["--secagg", *quantization] if secagg else []
+        base = ["--clients", str(n), "--rounds", "1", "--capture-rounds", "1", "--audit", "--no-download"]
+        _run(["fedsim.cli", "simulate", *base, *flags, "--run-dir", str(run)], out / "fed.log")
+    return run
+
+
+def audit(out: Path, run: Path, iterations: int | None) -> dict:
+    folder = out / "audit"
+    if not (folder / "audit.json").is_file():
+        extra = ["--iterations", str(iterations)] if iterations else []
+        _run(
+            ["attacker.cli", "audit", str(run), "--out", str(folder), "--attacks", *ATTACKS, "--no-lpips", "--quiet"]
+            + extra,
+            out / "audit.log",
+        )
+    return json.loads((folder / "audit.json").read_text())
+
+
+def clean_size(run: Path) -> tuple[float, float, float]:
+    """(step, the clean gradient's RMS entry, the captured mean's RMS error) of an aggregate capture."""
+    (capture,) = [load_capture(p) for p in list_captures(run)]
+    records = find_oracles(run, capture)
+    cfg = resolve_config({k: v for k, v in json.loads((run / "config.json").read_text()).items()})
+    images = torch.cat([r.images for r in records]).float()
+    labels = torch.cat([r.labels for r in records])
+    masks = [torch.cat([r.masks[i] for r in records]).float() for i in range(len(records[0].masks))]
+    model = task.make_model(cfg, capture.weights)
+    set_dropout_mode(model, "replay")
+    set_masks(model, masks)
+    model.train()
+    clean = torch.autograd.grad(F.cross_entropy(model(images), labels), list(model.parameters()))
+    flat = torch.cat([g.flatten().double() for g in clean])
+    got = torch.cat([g.flatten().double() for g in capture.gradient])
+    return capture.aggregate.step, float(flat.pow(2).mean().sqrt()), float((got - flat).pow(2).mean().sqrt())
+
+
+def _ssims(result: dict, attack: str, key: str = "ssim_std") -> str:
+    values = [r["attacks"][attack][key] for r in sorted(result["images"], key=lambda r: (r["client"], r["index"]))]
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--clients", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--iterations", type=int, default=None, help="attack budget (default: the profile's)")
+    args = parser.parse_args(argv)
+    rows = []
+    for n in args.clients:
+        for folder, name, secagg, quantization in CELLS:
+            out = args.out / f"n{n}-{folder}"
+            out.mkdir(parents=True, exist_ok=True)
+            run = federation(out, n, secagg, quantization)
+            result = audit(out, run, args.iterations)
+            size = "–"
+            if secagg:
+                step, rms, error = clean_size(run)
+                size = f"{step:.2g} / {rms:.2g} / {error:.2g}"
+            ssim = " | ".join(f"{_ssims(result, a)} ({_ssims(result, a, 'ssim_paper')})" for a in ATTACKS)
+            rows.append(f"| {n} | {name} | {size} | {ssim} |")
+    print("| N | quantization | step / clean RMS / RMS error (gradient units) | IG | DIA | WIIG |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
