@@ -1,4 +1,6 @@
+import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +141,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return _group(nodeid)[1]
 
     return GroupScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_deterministic():
+    torch.manual_seed(0)
+    if torch.get_num_threads() != TORCH_THREADS:  # a test before this one changed it
+        torch.set_num_threads(TORCH_THREADS)
+    warnings.filterwarnings("ignore", module="lightning")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    yield
+
+
+@pytest.fixture
+def mnist_like():
+    """A few real-looking MNIST-shaped victims without touching disk: strokes on black, normalized."""
+    g = torch.Generator().manual_seed(1)
+    imgs = torch.zeros(4, 1, 28, 28)
+    for i in range(4):
+        r = torch.randint(6, 20, (2,), generator=g)
+        imgs[i, 0, r[0] : r[0] + 8, 8:20] = 1.0
+        imgs[i, 0, 4:24, r[1] : r[1] + 3] = 1.0
+    mean, std = 0.13066373765468597, 0.30810782313346863
+    return (imgs - mean) / std, torch.tensor([1, 7, 3, 9])
