@@ -4,7 +4,7 @@ clients without secure aggregation (each one-step gradient captured alone). Prin
 the quantization step and the true update's RMS entry (from the oracle: the clean batch gradient of the
 clients' images with their masks), the captured mean's actual error, and IG / DIA / WIIG SSIM per image.
 
-    python benchmarks/secagg_rows.py OUT [--clients 2 4] [--iterations N]
+    python benchmarks/secagg_rows.py OUT [--clients 2 4] [--iterations N] [--fedavg K] [--cells fine plain]
 
 Runs that finished are reused (a folder holding results.json / audit.json), so the table can be rebuilt.
 """
@@ -41,10 +41,13 @@ def _run(cmd: list[str], log: Path) -> None:
         subprocess.run([sys.executable, "-m", *cmd], check=True, stdout=fh, stderr=subprocess.STDOUT)
 
 
-def federation(out: Path, n: int, secagg: bool, quantization: list[str]) -> Path:
+def federation(out: Path, n: int, secagg: bool, quantization: list[str], fedavg: int = 0) -> Path:
     run = out / "fed"
     if not (run / "results.json").is_file():
         flags = ["--secagg", *quantization] if secagg else []
+        if fedavg:  # a FedAvg round: K = fedavg SGD steps of batch 1 on as many images per client
+            flags += ["--capture-kind", "update", "--capture-images", str(fedavg), "--batch-size", "1"]
+            flags += ["--optimizer", "sgd", "--lr", "0.01"]
         base = ["--clients", str(n), "--rounds", "1", "--capture-rounds", "1", "--audit", "--no-download"]
         _run(["fedsim.cli", "simulate", *base, *flags, "--run-dir", str(run)], out / "fed.log")
     return run
@@ -63,8 +66,12 @@ def audit(out: Path, run: Path, iterations: int | None) -> dict:
 
 
 def clean_size(run: Path) -> tuple[float, float, float]:
-    """(step, the clean gradient's RMS entry, the captured mean's RMS error) of an aggregate capture."""
+    """(step, the clean gradient's or update's RMS entry, the captured mean's RMS error) of an aggregate
+    capture: the clients' true images and masks, one batch (one-step) or each client's round replayed
+    from the shared start and averaged (FedAvg)."""
     (capture,) = [load_capture(p) for p in list_captures(run)]
+    if capture.update is not None:
+        return (capture.aggregate.step, *_clean_update(run))
     records = find_oracles(run, capture)
     cfg = resolve_config({k: v for k, v in json.loads((run / "config.json").read_text()).items()})
     images = torch.cat([r.images for r in records]).float()
@@ -80,6 +87,26 @@ def clean_size(run: Path) -> tuple[float, float, float]:
     return capture.aggregate.step, float(flat.pow(2).mean().sqrt()), float((got - flat).pow(2).mean().sqrt())
 
 
+def _clean_update(run: Path) -> tuple[float, float]:
+    from dataclasses import replace
+
+    from attacker.captures import capture_paths, jobs_from_captures
+    from attacker.engine.replay import replayed_update
+    from attacker.jobs import model_from_job
+
+    (job,), (oracle,), _ = jobs_from_captures(capture_paths(run), run)
+    model = model_from_job(job)
+    per_layer = len(oracle.masks) // len(job.steps)
+    masks = [list(oracle.masks[t * per_layer : (t + 1) * per_layer]) for t in range(len(job.steps))]
+    plan = replace(job.plan, dropout="replay", masks=masks)
+    start = {k: v.detach() for k, v in model.named_parameters()}
+    clean = replayed_update(model, start, plan, oracle.images, job.labels, job.members)
+    names = [n for n, _ in model.named_parameters()]
+    flat = torch.cat([clean[n].flatten().double() for n in names])
+    got = torch.cat([g.flatten().double() for g in job.gradient])
+    return float(flat.pow(2).mean().sqrt()), float((got - flat).pow(2).mean().sqrt())
+
+
 def _ssims(result: dict, attack: str, key: str = "ssim_std") -> str:
     values = [r["attacks"][attack][key] for r in sorted(result["images"], key=lambda r: (r["client"], r["index"]))]
     return " ".join(f"{v:.3f}" for v in values)
@@ -90,13 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--iterations", type=int, default=None, help="attack budget (default: the profile's)")
+    parser.add_argument("--fedavg", type=int, default=0, metavar="K", help="FedAvg rounds of K images, K steps")
+    parser.add_argument("--cells", nargs="+", default=[c[0] for c in CELLS], help="which quantizations")
     args = parser.parse_args(argv)
     rows = []
     for n in args.clients:
         for folder, name, secagg, quantization in CELLS:
-            out = args.out / f"n{n}-{folder}"
+            if folder not in args.cells:
+                continue
+            out = args.out / f"n{n}-{folder}{f'-k{args.fedavg}' if args.fedavg else ''}"
             out.mkdir(parents=True, exist_ok=True)
-            run = federation(out, n, secagg, quantization)
+            run = federation(out, n, secagg, quantization, args.fedavg)
             result = audit(out, run, args.iterations)
             size = "–"
             if secagg:
@@ -104,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 size = f"{step:.2g} / {rms:.2g} / {error:.2g}"
             ssim = " | ".join(f"{_ssims(result, a)} ({_ssims(result, a, 'ssim_paper')})" for a in ATTACKS)
             rows.append(f"| {n} | {name} | {size} | {ssim} |")
-    print("| N | quantization | step / clean RMS / RMS error (gradient units) | IG | DIA | WIIG |")
+    units = "update" if args.fedavg else "gradient"
+    print(f"| N | quantization | step / clean RMS / RMS error ({units} units) | IG | DIA | WIIG |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
