@@ -10,7 +10,9 @@ submits the app with the run config. The CLI's connection lives in a private ``F
 Every process this module starts, and every process they start in turn (the SuperExecs, the
 ``flwr-serverapp`` / ``flwr-clientapp`` processes, a detached SuperLink if one were ever started),
 carries a unique marker in its environment; :meth:`LocalDeployment.stop` stops the direct children
-by pid and then every process still carrying the marker, by pid, even when the run failed.
+by pid and then every process still carrying the marker, by pid, even when the run failed. A pid
+is only taken for the process seen under it while that process's start time still matches: once a
+process has ended, the system may give its pid to an unrelated one, which is never signalled.
 
 Audit mode (the clients' ground-truth oracle) is off unless the run config sets ``audit``: in a
 deployment the server is the attacker and must not get the ground truth.
@@ -153,6 +155,16 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (Linux /proc/PID/stat, clock ticks since boot); None where that
+    cannot be read. With the pid it names one process: a pid alone may be reused once its process ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2 :].split()[19]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def marked_pids(marker: str) -> list[int]:
     """Pids of live processes whose environment carries ``MARKER_ENV=marker`` (Linux /proc)."""
     needle = f"{MARKER_ENV}={marker}".encode()
@@ -228,6 +240,7 @@ class LocalDeployment:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self.seen_pids: set[int] = set()  # every pid started here or found carrying the marker
+        self._start_times: dict[int, str | None] = {}  # when each seen pid's process started
         self.left_running: list[int] = []  # what stop() could not stop (always empty so far)
 
     # ----------------------------------------------------------------- environment and commands
@@ -320,7 +333,7 @@ class LocalDeployment:
             stderr=subprocess.PIPE,
             text=True,
         )
-        self.seen_pids.add(proc.pid)
+        self._see(proc.pid)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -341,7 +354,7 @@ class LocalDeployment:
             cmd, cwd=self.work_dir, env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
         )
         self.procs[name] = proc
-        self.seen_pids.add(proc.pid)
+        self._see(proc.pid)
         return proc
 
     def _check_alive(self, ignore: Iterable[str] = ()) -> None:
@@ -439,7 +452,7 @@ class LocalDeployment:
             stderr=subprocess.STDOUT,
         )
         self.procs["flwr-run"] = proc
-        self.seen_pids.add(proc.pid)
+        self._see(proc.pid)
         run_id: int | None = None
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
@@ -465,7 +478,7 @@ class LocalDeployment:
                     proc.kill()
                     proc.wait()
                     raise DeploymentError(f"flwr run did not finish within {timeout} s; see {self.log_dir}")
-                self.seen_pids.update(marked_pids(self.marker))
+                self._see_marked()
                 self._check_alive()
         if proc.returncode != 0 or run_id is None:
             raise DeploymentError(f"flwr run failed (exit {proc.returncode}); see {self.log_dir / 'flwr-run.log'}")
@@ -488,9 +501,32 @@ class LocalDeployment:
             raise DeploymentError(f"flwr ls found no run {run_id}: {res.stdout.strip()}")
         return dict(runs[0])
 
+    # ----------------------------------------------------------------- its processes
+    def _see(self, pid: int) -> None:
+        """Remember ``pid`` as one of this deployment's processes: a child just started (it keeps its
+        pid until it is waited for) or a process that carries the marker."""
+        if pid not in self.seen_pids:
+            self.seen_pids.add(pid)
+            self._start_times[pid] = _start_time(pid)
+
+    def _see_marked(self) -> list[int]:
+        """The live processes carrying this deployment's marker, each remembered."""
+        found = marked_pids(self.marker)
+        for pid in found:
+            self._see(pid)
+        return found
+
+    def _running(self, pid: int) -> bool:
+        """True while the process seen as ``pid`` runs: not a later process that was given its pid."""
+        return pid in self._start_times and _alive(pid) and _start_time(pid) == self._start_times[pid]
+
+    def running(self) -> list[int]:
+        """The pids of this deployment's processes that still run (none once :meth:`stop` returned)."""
+        return sorted(pid for pid in self.seen_pids if self._running(pid))
+
     def stop(self, grace: float = 10.0) -> list[int]:
         """Stop every process this deployment started, by pid; returns the pids still alive (none)."""
-        self.seen_pids.update(marked_pids(self.marker))
+        self._see_marked()
         order = ["flwr-run"] + [n for n in self.procs if n.startswith("supernode-")] + ["superlink"]
         for name in order:
             if (proc := self.procs.get(name)) is not None and proc.poll() is None:
@@ -505,19 +541,20 @@ class LocalDeployment:
                     proc.wait()
         # Descendants (SuperExecs, serverapp/clientapp processes, a detached SuperLink): by pid too.
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            left = sorted(set(marked_pids(self.marker)) | {p for p in self.seen_pids if _alive(p)})
-            self.seen_pids.update(left)
+            self._see_marked()
+            left = self.running()
             if not left:
                 break
             for pid in left:
                 _signal(pid, sig)
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(_alive(p) for p in left):
+            while time.monotonic() < deadline and any(self._running(p) for p in left):
                 time.sleep(0.1)
         for log in self._logs:
             log.close()
         self._logs.clear()
-        self.left_running = sorted(p for p in self.seen_pids if _alive(p))
+        self._see_marked()
+        self.left_running = self.running()
         return self.left_running
 
     def __enter__(self) -> LocalDeployment:

@@ -69,7 +69,7 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
     with LocalDeployment(2, tmp_path / "work") as dep:
         direct = {name: proc.pid for name, proc in dep.procs.items()}
         assert set(direct) == {"superlink", "supernode-0", "supernode-1"}
-        assert all(_alive(pid) for pid in direct.values())
+        assert set(direct.values()) <= set(dep.running())
         result = dep.run(cfg, timeout=300)
         assert dep.run_status(result.run_id)["status"] == COMPLETED  # read back from the SuperLink
         # secure aggregation on the same SuperNodes: Flower's SecAgg+ workflow and mod across processes
@@ -81,7 +81,7 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
     # everything stopped, by pid: the direct children and what they started (SuperExecs, apps)
     assert result.ok and result.status == COMPLETED, (result, dep.log_tail("flwr-run"))
     assert set(direct.values()) <= dep.seen_pids and len(dep.seen_pids) > len(direct) + 1  # flwr run, SuperExecs
-    assert [pid for pid in dep.seen_pids if _alive(pid)] == []
+    assert dep.running() == []
     assert marked_pids(dep.marker) == []
     assert all(proc.returncode is not None for proc in dep.procs.values())
 
@@ -104,6 +104,27 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
     # the CLI's connection lived in a private FLWR_HOME, with the real SuperLink address
     conf = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
     assert f'address = "127.0.0.1:{dep.superlink_port}"' in conf and "insecure = true" in conf
+
+
+def test_stop_never_signals_a_process_that_was_given_a_seen_pid(tmp_path: Path) -> None:
+    """Once a process of the deployment has ended, the system may give its pid to an unrelated
+    process (pids wrap at 32768 here, within minutes on a busy machine): stop() signals the
+    processes it saw, not whatever runs under their pids later; a process it saw still goes."""
+    unrelated = subprocess.Popen(["sleep", "60"])
+    ours = subprocess.Popen(["sleep", "60"])
+    try:
+        dep = LocalDeployment(1, tmp_path / "work")
+        dep.seen_pids.add(unrelated.pid)  # seen as a process that started earlier and has ended
+        dep._start_times[unrelated.pid] = "0"
+        dep._see(ours.pid)
+        assert dep.running() == [ours.pid]
+        assert dep.stop(grace=1) == []
+        assert ours.wait(timeout=10) != 0  # stopped by a signal
+        assert unrelated.poll() is None  # never signalled
+    finally:
+        for proc in (unrelated, ours):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_port_taken_before_the_process_binds_it_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,7 +165,7 @@ def test_a_port_taken_before_the_process_binds_it_is_replaced(tmp_path: Path, mo
     finally:
         for squatter in squatters.values():
             squatter.close()
-    assert [pid for pid in dep.seen_pids if _alive(pid)] == [] and marked_pids(dep.marker) == []
+    assert dep.running() == [] and marked_pids(dep.marker) == []
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make the TLS certificates")
@@ -220,6 +241,6 @@ def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(tmp_path: P
         worker.join(timeout=200)
         assert not worker.is_alive(), "the run neither finished nor stopped"
     assert "result" in outcome or "error" in outcome
-    assert [pid for pid in dep.seen_pids if _alive(pid)] == [] and marked_pids(dep.marker) == []
+    assert dep.running() == [] and marked_pids(dep.marker) == []
     captures = [load_capture(p) for p in list_captures(run_dir)]  # every capture written is intact
     assert {(c.round, c.client) for c in captures if c.round == 1} == {(1, 0), (1, 1)}
