@@ -45,8 +45,8 @@ def _secagg_run(run_dir: Path, fail: tuple[int, ...] = (), **extra: Any) -> tupl
     return cfg, run_server(AppGrid(NODES, fail=fail), cfg)
 
 
-def _plain_reply(cfg: dict[str, Any], weights: dict[str, torch.Tensor], partition: int) -> Message:
-    """What the client would send without secure aggregation: its handler on the same round's message."""
+def _round_message(cfg: dict[str, Any], weights: dict[str, torch.Tensor], partition: int) -> tuple[Message, Any]:
+    """Round 1's train message to the client of ``partition`` without secure aggregation, and its context."""
     sent = dict(cfg, **{"server-round": 1, "one-step": cfg["capture-kind"] == "gradient"})
     sent["capture-update"] = cfg["capture-kind"] == "update"
     msg = Message(
@@ -54,8 +54,12 @@ def _plain_reply(cfg: dict[str, Any], weights: dict[str, torch.Tensor], partitio
         dst_node_id=NODES[partition],
         message_type="train",
     )
-    context = AppGrid(NODES).contexts[NODES[partition]]
-    return handle_train(msg, context)
+    return msg, AppGrid(NODES).contexts[NODES[partition]]
+
+
+def _plain_reply(cfg: dict[str, Any], weights: dict[str, torch.Tensor], partition: int) -> Message:
+    """What the client would send without secure aggregation: its handler on the same round's message."""
+    return handle_train(*_round_message(cfg, weights, partition))
 
 
 def _plain_mean(cfg: dict[str, Any], capture: Any, partitions: list[int]) -> tuple[list[dict], list[int]]:
@@ -251,3 +255,94 @@ def test_a_mean_of_fedavg_updates_is_one_job_replaying_each_clients_round_from_t
     # one client's round alone is not it
     alone = replayed_update(model, start, replace(plan, masks=masks[:2]), oracle.images[:2], job.labels[:2])
     assert max((alone[n] - t).abs().max().item() for n, t in zip(names, job.gradient)) > 100 * bound
+
+
+def _defended_mean(cfg: dict[str, Any], capture: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The num_examples-weighted mean of the 3 clients' plain updates, and of the same replies passed
+    through the run's client-side defense (``defense_mod``, as the client chain runs it under SecAgg+)."""
+    from fedsim.client_app import defense_mod
+
+    clean, defended, weights = [], [], []
+    for part in range(3):
+        reply = _plain_reply(cfg, capture.weights, part)
+        weights.append(int(reply.content["metrics"]["num-examples"]))
+        through = defense_mod(*_round_message(cfg, capture.weights, part), handle_train)
+        for replies, out in ((clean, reply), (defended, through)):
+            local = out.content["arrays"].to_torch_state_dict()
+            replies.append({k: capture.weights[k].double() - local[k].double() for k in capture.weights})
+    total = sum(weights)
+    mean = [
+        {k: sum(w * u[k] for w, u in zip(weights, us)) / total for k in capture.weights} for us in (clean, defended)
+    ]
+    return mean[0], mean[1]
+
+
+def _flat(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([tensors[n].double().flatten() for n in names])
+
+
+def test_pruning_acts_on_each_reply_before_secagg_masks_it(tmp_path: Path) -> None:
+    # Each client prunes its own update (PruneMod, inside SecAgg+'s mod): the server's mean is the mean of
+    # the pruned replies, within its quantization step, and not the mean of the unpruned ones.
+    # plain SGD: Adam's first step moves every weight by about lr, and its largest 10 % would be a tie
+    fedavg = {"capture-kind": "update", "local-steps": 1, "batch-size": 16, "optimizer": "sgd", "lr": 0.01}
+    cfg, summary = _secagg_run(tmp_path / "run", defense="prune", **{"prune-fraction": 0.1, **fedavg, **FINE})
+    assert summary["failures"] == []
+    (capture,) = [load_capture(p) for p in list_captures(tmp_path / "run")]
+    clean, pruned = _defended_mean(cfg, capture)
+    got, bound = _flat(capture.update, capture.param_names), capture.aggregate.error_bound
+    assert (got - _flat(pruned, capture.param_names)).abs().max().item() <= bound
+    # each reply keeps its largest 10 % (prune-fraction): an entry all three clients pruned is zero in the mean, where the
+    # unpruned mean has almost none
+    assert (got.abs() <= bound).double().mean().item() > 0.5
+    assert (_flat(clean, capture.param_names).abs() <= bound).double().mean().item() < 0.1
+
+
+def test_local_dp_noise_survives_secure_aggregation_as_the_mean_of_the_clients_noise(tmp_path: Path) -> None:
+    from fedsim.defenses import _local_dp_multiplier
+
+    dp = {"defense": "local-dp", "clip-norm": 1.0, "dp-epsilon": 50.0, "dp-delta": 1e-5}
+    fedavg = {"capture-kind": "update", "local-steps": 1, "batch-size": 16}
+    cfg, summary = _secagg_run(tmp_path / "run", **dp, **fedavg, **FINE)
+    assert summary["failures"] == []
+    (capture,) = [load_capture(p) for p in list_captures(tmp_path / "run")]
+    clean, _ = _defended_mean(cfg, capture)
+    weights = torch.tensor(capture.aggregate.num_examples, dtype=torch.float64)
+    # each client's noise has std clip * multiplier (LocalDpMod); the weighted mean's is that times
+    # sqrt(sum w_i^2) / sum w_i. The one-step updates are far below the clipping norm, so nothing is clipped.
+    assert all(_flat(u, capture.param_names).norm() < 1.0 for u in [clean])
+    expected = 1.0 * _local_dp_multiplier(cfg) * weights.pow(2).sum().sqrt().item() / weights.sum().item()
+    noise = _flat(capture.update, capture.param_names) - _flat(clean, capture.param_names)
+    assert 0.9 < noise.pow(2).mean().sqrt().item() / expected < 1.1
+    assert capture.aggregate.error_bound < 1e-3 * expected  # the quantization is not the noise
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"defense": "central-dp-client-clipping", "clip-norm": 1e-3, "noise-multiplier": 0.5},
+        {"defense": "dp-sgd", "noise-multiplier": 1.0, "clip-norm": 1.0, "dp-noise-from": "noise-multiplier"},
+        {"strategy": "fedprox", "strategy-options": '{"proximal_mu": 0.1}'},
+        {"strategy": "fedadam"},
+    ],
+    ids=["central-dp-client-clipping", "dp-sgd", "fedprox", "fedadam"],
+)
+def test_secagg_composes_with_the_client_side_defenses_and_the_legacy_strategies(
+    settings: dict[str, Any], tmp_path: Path
+) -> None:
+    fedavg = {"capture-kind": "update", "local-steps": 2, "batch-size": 8}
+    cfg, summary = _secagg_run(tmp_path / "run", **{**fedavg, **FINE, "max-weight": 1000.0, **settings})
+    assert summary["failures"] == [] and summary["num_captures"] == 1
+    (capture,) = [load_capture(p) for p in list_captures(tmp_path / "run")]
+    assert capture.kind == "secagg-update" and capture.aggregate.clients == [0, 1, 2]
+    got = _flat(capture.update, capture.param_names)
+    assert torch.isfinite(got).all() and got.abs().max().item() > 100 * capture.aggregate.error_bound
+    if settings.get("defense") == "central-dp-client-clipping":
+        # every client clipped its update to the norm before SecAgg+ masked it: so is their mean (the
+        # server's Gaussian noise comes after the curious strategy has seen it)
+        slack = got.numel() ** 0.5 * capture.aggregate.error_bound
+        assert got.norm().item() <= 1e-3 + slack
+    if settings.get("defense") == "dp-sgd":
+        # each client's Opacus accountant reached the server through the FitRes metrics SecAgg+ leaves in clear
+        spent = summary["privacy"]
+        assert set(spent["per_client"]) == {"0", "1", "2"} and 0 < spent["epsilon"] < float("inf")
