@@ -4,7 +4,8 @@ clients without secure aggregation (each one-step gradient captured alone). Prin
 the quantization step and the true update's RMS entry (from the oracle: the clean batch gradient of the
 clients' images with their masks), the captured mean's actual error, and IG / DIA / WIIG SSIM per image.
 
-    python benchmarks/secagg_rows.py OUT [--clients 2 4] [--iterations N] [--fedavg K] [--cells fine plain]
+    python benchmarks/secagg_rows.py OUT [--model lenet] [--clients 2 4] [--iterations N] [--fedavg K]
+        [--cells fine plain]
 
 Runs that finished are reused (a folder holding results.json / audit.json), so the table can be rebuilt.
 """
@@ -34,6 +35,9 @@ CELLS = (
     ("plain", "no secure aggregation", False, []),
 )
 ATTACKS = ("ig_eval", "dia", "wiig")
+# every closed form that applies runs first, as in the audit; under SecAgg+ (B = N > 1) none does, and the
+# audit records why
+CLOSED_FORM = "closed_form"
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -41,10 +45,13 @@ def _run(cmd: list[str], log: Path) -> None:
         subprocess.run([sys.executable, "-m", *cmd], check=True, stdout=fh, stderr=subprocess.STDOUT)
 
 
-def federation(out: Path, n: int, secagg: bool, quantization: list[str], fedavg: int = 0) -> Path:
+def federation(
+    out: Path, n: int, secagg: bool, quantization: list[str], fedavg: int = 0, model: tuple[str, str] = ("mlp", "mnist")
+) -> Path:
     run = out / "fed"
     if not (run / "results.json").is_file():
-        flags = ["--secagg", *quantization] if secagg else []
+        flags = ["--model", model[0], "--dataset", model[1]]
+        flags += ["--secagg", *quantization] if secagg else []
         if fedavg:  # a FedAvg round: K = fedavg SGD steps of batch 1 on as many images per client
             flags += ["--capture-kind", "update", "--capture-images", str(fedavg), "--batch-size", "1"]
             flags += ["--optimizer", "sgd", "--lr", "0.01"]
@@ -58,7 +65,8 @@ def audit(out: Path, run: Path, iterations: int | None) -> dict:
     if not (folder / "audit.json").is_file():
         extra = ["--iterations", str(iterations)] if iterations else []
         _run(
-            ["attacker.cli", "audit", str(run), "--out", str(folder), "--attacks", *ATTACKS, "--no-lpips", "--quiet"]
+            ["attacker.cli", "audit", str(run), "--out", str(folder), "--attacks", CLOSED_FORM, *ATTACKS]
+            + ["--no-lpips", "--quiet"]
             + extra,
             out / "audit.log",
         )
@@ -107,6 +115,14 @@ def _clean_update(run: Path) -> tuple[float, float]:
     return float(flat.pow(2).mean().sqrt()), float((got - flat).pow(2).mean().sqrt())
 
 
+def _closed_form(result: dict) -> str:
+    """The closed forms' SSIM per image ([0,1], paper space), or why none applied."""
+    solved = [a for a in result["attacks"] if a not in ATTACKS]
+    if not solved:
+        return "none applies" if result.get("closed_forms_skipped") else "not run"
+    return " ".join(f"{_ssims(result, a)} ({_ssims(result, a, 'ssim_paper')}) {a}" for a in solved)
+
+
 def _ssims(result: dict, attack: str, key: str = "ssim_std") -> str:
     values = [r["attacks"][attack][key] for r in sorted(result["images"], key=lambda r: (r["client"], r["index"]))]
     return " ".join(f"{v:.3f}" for v in values)
@@ -119,25 +135,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=None, help="attack budget (default: the profile's)")
     parser.add_argument("--fedavg", type=int, default=0, metavar="K", help="FedAvg rounds of K images, K steps")
     parser.add_argument("--cells", nargs="+", default=[c[0] for c in CELLS], help="which quantizations")
+    parser.add_argument("--model", default="mlp", help="the federation's model (p = 0.25, its default)")
+    parser.add_argument("--dataset", default="mnist")
     args = parser.parse_args(argv)
+    # the MLP/MNIST rows keep their first folders (n2-fine, ...), so earlier runs are reused
+    prefix = "" if (args.model, args.dataset) == ("mlp", "mnist") else f"{args.model}-{args.dataset}-"
     rows = []
     for n in args.clients:
         for folder, name, secagg, quantization in CELLS:
             if folder not in args.cells:
                 continue
-            out = args.out / f"n{n}-{folder}{f'-k{args.fedavg}' if args.fedavg else ''}"
+            out = args.out / f"{prefix}n{n}-{folder}{f'-k{args.fedavg}' if args.fedavg else ''}"
             out.mkdir(parents=True, exist_ok=True)
-            run = federation(out, n, secagg, quantization, args.fedavg)
+            run = federation(out, n, secagg, quantization, args.fedavg, (args.model, args.dataset))
             result = audit(out, run, args.iterations)
             size = "–"
             if secagg:
                 step, rms, error = clean_size(run)
                 size = f"{step:.2g} / {rms:.2g} / {error:.2g}"
             ssim = " | ".join(f"{_ssims(result, a)} ({_ssims(result, a, 'ssim_paper')})" for a in ATTACKS)
-            rows.append(f"| {n} | {name} | {size} | {ssim} |")
+            summary = result["summary"]
+            seen = f"{summary['recognisable']} of {summary['images']}"
+            bound = summary.get("oracle_bound") or {}
+            seen += f" ({bound.get('recognisable', 0)} of {bound.get('images', 0)})" if bound else ""
+            rows.append(f"| {n} | {name} | {size} | {_closed_form(result)} | {ssim} | {seen} |")
     units = "update" if args.fedavg else "gradient"
-    print(f"| N | quantization | step / clean RMS / RMS error ({units} units) | IG | DIA | WIIG |")
-    print("|---|---|---|---|---|---|")
+    cap = args.iterations or "the profile's"
+    print(f"{args.model} / {args.dataset}, cap {cap}")
+    print(
+        f"| N | quantization | step / clean RMS / RMS error ({units} units) | closed form | IG | DIA | WIIG "
+        "| recognisable by the server's attacks (by WIIG) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 

@@ -292,8 +292,8 @@ def test_pruning_acts_on_each_reply_before_secagg_masks_it(tmp_path: Path) -> No
     clean, pruned = _defended_mean(cfg, capture)
     got, bound = _flat(capture.update, capture.param_names), capture.aggregate.error_bound
     assert (got - _flat(pruned, capture.param_names)).abs().max().item() <= bound
-    # each reply keeps its largest 10 % (prune-fraction): an entry all three clients pruned is zero in the mean, where the
-    # unpruned mean has almost none
+    # each reply keeps its largest 10 % (prune-fraction): an entry all three clients pruned is zero in the
+    # mean, where the unpruned mean has almost none
     assert (got.abs() <= bound).double().mean().item() > 0.5
     assert (_flat(clean, capture.param_names).abs() <= bound).double().mean().item() < 0.1
 
