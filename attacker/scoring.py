@@ -10,6 +10,7 @@ import torch
 from fedsim.data import get_spec
 from fedsim.defenses import NO_DEFENSE
 
+from .closed_form.solvers import follows_labels
 from .curves import iterations_to
 from .jobs import JobResult, Oracle, VictimJob
 from .metrics import LpipsScorer, mask_metrics, score_batch
@@ -47,7 +48,8 @@ def score_results(
         }
         if oracle is not None:
             spec = get_spec(job.spec.dataset, job.spec.input_shape[0])
-            scored = score_batch(oracle.images, res.images, spec.mean, spec.std, lpips_scorer=lpips, labels=job.labels)
+            labels = job.labels if follows_labels(res.attack) else None
+            scored = score_batch(oracle.images, res.images, spec.mean, spec.std, lpips_scorer=lpips, labels=labels)
             for key in METRIC_KEYS:
                 entry = scored["metrics"].get(key)
                 row[key] = entry["mean"] if entry else None

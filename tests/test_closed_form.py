@@ -103,6 +103,11 @@ def test_a_solver_says_in_one_line_why_it_does_not_apply() -> None:
     mlp = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 32})
     (pair,), _ = jobs_from_images(mlp, _victims(mlp, n=1, batch=2))
     assert "B = 2" in forms.reason("first_linear", pair)
+    assert forms.reason("cocktail_party", pair) is None
+    (one,), _ = jobs_from_images(mlp, _victims(mlp, n=1))
+    assert "has B = 1" in forms.reason("cocktail_party", one) and "first_linear solves it" in forms.reason(
+        "cocktail_party", one
+    )
     (update,), _ = jobs_from_images(mlp, _victims(mlp, n=1), plan=_plan())
     assert "update of 2 local steps" in forms.reason("first_linear", update)
 
@@ -111,6 +116,31 @@ def _plan():
     from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
 
     return LocalPlan(Schedule(epochs=2, batch_size=1, order="in-order"), OptimizerSpec("sgd", 0.1))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias-scale-from-next-layer", "bias"])
+def test_cocktail_party_separates_a_dropout_batch_exactly(bias: bool) -> None:
+    """B = 4 images in one gradient: dropout's zeros give each image's hyperplane of rows, so every image
+    comes back exactly (in an order of its own: matched to the originals by distance alone)."""
+    from attacker.metrics import match_reconstructions
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 128, "bias": bias})
+    for result, oracle in _solve(spec, "cocktail_party", n=2, batch=4):
+        assert result.status == SOLVED and result.extras["separated_by"] == "dropout zeros"
+        assert result.extras["rank"] == result.extras["unknowns"] == 4
+        # each image's hyperplane holds the rows of the units its own mask dropped (every other image's
+        # delta is nonzero there but for the units two images both dropped)
+        dropped = (oracle.masks[0] == 0).sum(dim=1).sort().values
+        assert sorted(result.extras["zero_rows"]) <= dropped.tolist()
+        matched = result.images[match_reconstructions(oracle.images, result.images)]
+        assert torch.allclose(matched, oracle.images, atol=1e-3)
+
+
+def test_cocktail_party_without_dropout_is_ica_alone_and_never_claimed_exact() -> None:
+    spec = ModelSpec("mlp", "mnist", 0.0, 0, {"width": 128})
+    for result, _ in _solve(spec, "cocktail_party", n=1, batch=4):
+        assert result.status == SOLVED_INEXACT and result.extras["separated_by"] == "ica"
+        assert result.extras["relative_residual"] > EXACT_RTOL
 
 
 def test_classifier_features_equal_the_clients_own() -> None:
@@ -175,7 +205,7 @@ def test_cli_runs_closed_forms_into_the_run_folder(tmp_path: Path, capsys: pytes
     assert all(r["status"] == SOLVED and r["iterations"] == 0 and r["rank"] == 1 for r in rows)
     assert all(r["ssim_paper"] > 0.99 for r in rows)
     skipped = json.loads((out / "closed_form.json").read_text())["skipped"]
-    assert set(skipped) == {"vit_patches"}
+    assert set(skipped) == {"vit_patches", "cocktail_party"}  # one image per gradient: nothing to separate
     assert "first_linear: 2 of 2 jobs exact" in (out / "report.md").read_text()
 
 
@@ -220,7 +250,8 @@ def test_audit_runs_the_closed_forms_first_and_names_the_mechanism(
     )
     assert code == 0, text
     audit = json.loads((out / "audit.json").read_text())
-    assert audit["attacks"] == ["first_linear"] and set(audit["closed_forms_skipped"]) == {"vit_patches"}
+    assert audit["attacks"] == ["first_linear"]
+    assert set(audit["closed_forms_skipped"]) == {"vit_patches", "cocktail_party"}
     assert audit["summary"]["recognisable"] == audit["summary"]["images"] == 2
     assert "rank one and gives the image exactly" in audit["verdict"]
     assert "Skipped: vit_patches needs" in (out / "audit.md").read_text()

@@ -13,6 +13,7 @@ import torch
 from fedsim.data import get_spec
 
 from ..attacks import make_attack
+from ..closed_form.solvers import follows_labels
 from ..jobs import JobResult, Oracle, VictimJob
 from ..metrics import LpipsScorer, score_batch
 from ..scoring import prior_for, prior_images, prior_score, rdlv
@@ -105,7 +106,8 @@ def score_images(
         for attack in attacks:
             recon = tensors.get(f"{job.job_id}/{attack}/images")
             if recon is not None:  # e.g. WIIG does not run on the Δ/(lr·K) baseline of an update
-                result = score_batch(oracle.images, recon, spec.mean, spec.std, lpips_scorer=lpips, labels=job.labels)
+                labels = job.labels if follows_labels(attack) else None
+                result = score_batch(oracle.images, recon, spec.mean, spec.std, lpips_scorer=lpips, labels=labels)
                 scored[attack] = (result, recon)
         if not any(a not in oracle_side for a in scored):
             raise AuditError(f"the attack run holds no reconstruction of {job.job_id} by an attack without oracle")

@@ -59,7 +59,9 @@ class ClosedForms:
                 f"{name} solves a one-step gradient; job {job.job_id} holds an update of {len(job.steps)} local "
                 "steps, whose gradients (each with its own masks) are mixed in one update"
             )
-        if job.batch_size > 1:
+        if solver.separates and job.batch_size == 1:
+            return f"{name} separates the images of a batch, and job {job.job_id} has B = 1: {solver.batch_reason}"
+        if job.batch_size > 1 and not solver.separates:
             return (
                 f"{name} takes one image per gradient, and job {job.job_id} has B = {job.batch_size}: "
                 f"{solver.batch_reason}"
@@ -73,8 +75,9 @@ class ClosedForms:
         """The images of the first solver that applies to ``job`` (its answer, exact or partial: a
         rank-deficient system's minimum-norm solution), for an optimization to start from; None where
         none applies."""
-        for name in SOLVERS:
-            if self.reason(name, job) is None:
+        for name, solver in SOLVERS.items():
+            # a separating solver's images come in no label order: no start for the labels' dummies
+            if solver.ordered and self.reason(name, job) is None:
                 return self.solve(name, job).images
         return None
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..jobs import VictimJob
 from .probe import Layer, _Stop, evaluating, first_layer, images_from_rows, last_linear, position_embedding
+from .separation import refine_by_zeros, unmix
 
 # A solve claims "exact" only where the linear system it solved holds to this relative residual
 # (float32 rounding of the client's own gradient is about 1e-7); pruning or noise leave more.
@@ -57,20 +58,39 @@ class Solver:
     name: str
     needs: str  # the structure it needs, in words ("NAME needs ...; MODEL has none")
     mechanism: str  # what gives the image away, in plain words (the audit's verdict)
-    batch_reason: str  # why it takes only one image per gradient
+    batch_reason: str  # why it takes only one image per gradient (a separating solver: none at B = 1)
     find: Callable[[nn.Module, tuple[int, ...], int], Any]  # the structure, or NotApplicable
     solve: Callable[[Any, VictimJob, nn.Module], Solution]
+    # True: it separates the images of a batch (B >= 2) rather than solving one image's gradient
+    separates: bool = False
+    # False: its images come in an order of their own, not the job's labels' (scored by matching alone)
+    ordered: bool = True
 
 
 SOLVERS: dict[str, Solver] = {}
 
 
-def solver(name: str, *, needs: str, mechanism: str, batch_reason: str, find: Callable[..., Any]):
+def solver(
+    name: str,
+    *,
+    needs: str,
+    mechanism: str,
+    batch_reason: str,
+    find: Callable[..., Any],
+    separates: bool = False,
+    ordered: bool = True,
+):
     def register(fn: Callable[[Any, VictimJob, nn.Module], Solution]) -> Callable[..., Solution]:
-        SOLVERS[name] = Solver(name, needs, mechanism, batch_reason, find, fn)
+        SOLVERS[name] = Solver(name, needs, mechanism, batch_reason, find, fn, separates, ordered)
         return fn
 
     return register
+
+
+def follows_labels(attack: str) -> bool:
+    """Whether ``attack``'s images come in the order of the job's labels (every optimization does; a
+    separating closed form does not): scoring pairs them to the originals by label only where they do."""
+    return attack not in SOLVERS or SOLVERS[attack].ordered
 
 
 def _grads(job: VictimJob, model: nn.Module) -> dict[str, Tensor]:
@@ -286,6 +306,80 @@ def solve_first_linear(found: _FirstLinear, job: VictimJob, model: nn.Module) ->
         extra = {"scale_from": "next layer", "scale_misfit": misfit_at}
     images = x.reshape(1, *found.input_shape).float()
     return Solution(images, rank, 1, residual, extra)
+
+
+# -- (b') the first Linear's inputs at B > 1: unmixed by independent component analysis ------------------
+
+
+def _find_mixed(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _FirstLinear:
+    found = _find_first_linear(model, input_shape, classes)
+    following = found.following or _second_linear(model, found.layer, input_shape)
+    if following is None:
+        raise NotApplicable("no second Linear follows its first to tell a separated image from a mix")
+    return _FirstLinear(found.layer, following, input_shape)
+
+
+@solver(
+    "cocktail_party",
+    needs="a first Linear layer on the flattened image and a second Linear after it",
+    mechanism=(
+        "the first Linear's gradient mixes the batch's images, and independent component analysis unmixes "
+        "them (the Cocktail Party Attack)"
+    ),
+    batch_reason="at B = 1 the first Linear's gradient is rank one, and first_linear solves it exactly",
+    find=_find_mixed,
+    separates=True,
+    ordered=False,
+)
+def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) -> Solution:
+    """dL/dW = sum_b delta_b x_b^T: ICA of its rows gives each image up to sign and scale, s_b = c_b x_b,
+    and dW = sum_b a_b s_b^T with a_b = delta_b / c_b. The scale c_b from the bias where there is one
+    (dL/db = sum_b c_b a_b); else, and as the check of every image, from the next Linear: its input
+    h_b = m_b * act(W x_b + b) (m_b: the dropout mask, the zeros of a_b) lies in the row space of that
+    Linear's gradient (rank B). A mix of images fits it for no scale: the largest misfit is the residual."""
+    grads, layer, nxt = _grads(job, model), found.layer, found.following
+    assert nxt is not None
+    dw, b = grads[layer.weight], job.batch_size
+    unmixing = unmix(dw, b)
+    # the rows' coordinates in the gradient's row space: dW = C V, and image b's delta is C n_b
+    svd = torch.linalg.svd(dw, full_matrices=False)
+    coords, space = svd.U[:, :b] * svd.S[:b], svd.Vh[:b]
+    # ICA's sources are K V: image b's normal is row b of K^-T (then dW = (C K^-1)(K V))
+    normals = torch.linalg.inv(unmixing.matrix @ dw @ space.T).T
+    extra: dict[str, Any] = {"ica_steps": unmixing.steps, "ica_converged": unmixing.converged}
+    if job.p > 0:  # dropout's zeros pin each image down exactly (separation.refine_by_zeros)
+        refined = refine_by_zeros(coords, normals, job.p)
+        normals = refined.normals
+        extra |= {"separated_by": "dropout zeros", "zero_rows": refined.zeros, "zero_misfit": refined.residual}
+    else:
+        extra |= {"separated_by": "ica"}
+    coeffs = coords @ normals.T  # (outputs, B): a_b, each image's delta up to scale
+    sources = torch.linalg.solve(normals.T, space)  # (B, inputs): dW = coeffs @ sources
+    scales = None
+    if layer.bias is not None:
+        scales = torch.linalg.lstsq(coeffs, grads[layer.bias][:, None]).solution[:, 0]
+    basis = torch.linalg.svd(grads[nxt.weight], full_matrices=False).Vh[:b]  # the next input's row space
+    shape, rows, misfits = found.input_shape, [], []
+    for i in range(b):
+        kept = (coeffs[:, i].abs() > EXACT_RTOL * coeffs[:, i].abs().max()).double()
+        v = sources[i] / torch.linalg.norm(sources[i]).clamp_min(1e-300)
+
+        def misfit(cs: np.ndarray, v: Tensor = v, kept: Tensor = kept) -> np.ndarray:
+            xs = torch.as_tensor(cs, dtype=torch.float64)[:, None] * v[None]
+            h = _layer_inputs(model, nxt.module, xs.float().reshape(-1, *shape)) * kept[None]
+            off = h - (h @ basis.T) @ basis
+            return (torch.linalg.norm(off, dim=1) / torch.linalg.norm(h, dim=1).clamp_min(1e-300)).numpy()
+
+        if scales is not None:
+            scale = float(torch.linalg.norm(sources[i]) / scales[i])
+            misfit_at = float(misfit(np.array([scale]))[0])
+        else:
+            scale, misfit_at = _best_scale(misfit, typical=float(np.sqrt(v.numel())))
+        rows.append(scale * v)
+        misfits.append(misfit_at)
+    images = images_from_rows(torch.stack(rows)[:, None], layer.pixels, shape)
+    extra |= {"scale_from": "bias" if scales is not None else "next layer", "scale_misfits": misfits}
+    return Solution(images, _rank(dw), b, max(misfits), extra)
 
 
 # -- (c) the classifier's input features: a constraint, not an image ----------------------------------

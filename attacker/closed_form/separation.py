@@ -1,0 +1,143 @@
+"""Independent component analysis of a gradient's rows: the unmixing behind the Cocktail Party Attack.
+
+A first Linear's gradient at batch size B is ``dL/dW = sum_b delta_b x_b^T``: each of its rows is a mix
+of the B images. Images are far from Gaussian (a digit is mostly background, a photo mostly smooth), so
+the B directions that make the rows' mixes most non-Gaussian are the images themselves, up to order,
+sign and scale (Kariyappa et al., ICML 2023). This is FastICA (Hyvarinen, 1999): whitening by the
+rows' top B singular vectors, then the symmetric fixed-point iteration with the log-cosh contrast.
+
+Written here rather than taken from scikit-learn: it is not in the project's stack, and what the
+solver needs is the unmixing matrix applied to the *uncentered* gradient (ICA centers its samples;
+the images' means come back only that way), a few lines on top of a few lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# The fixed point stops when no unmixing direction turns by more than this (1 - |cos|) in a step.
+TOLERANCE = 1e-10
+MAX_STEPS = 1000
+
+
+@dataclass(frozen=True)
+class Unmixing:
+    """``matrix @ gradient`` gives the sources (B, entries); how the iteration ended."""
+
+    matrix: Tensor  # (B, rows of the gradient)
+    singular_values: Tensor  # all of the centered gradient's, largest first
+    steps: int
+    converged: bool
+
+
+def _symmetric_decorrelation(w: Tensor) -> Tensor:
+    """(W W^T)^(-1/2) W: the nearest matrix with orthonormal rows."""
+    values, vectors = torch.linalg.eigh(w @ w.T)
+    return vectors @ torch.diag(values.clamp_min(1e-300).rsqrt()) @ vectors.T @ w
+
+
+def unmix(gradient: Tensor, sources: int, seed: int = 0) -> Unmixing:
+    """The unmixing of ``gradient``'s rows (mixes over its columns, the samples) into ``sources`` maximally
+    non-Gaussian, uncorrelated signals. Deterministic for a seed."""
+    g = gradient.double()
+    samples = g.shape[1]
+    centered = g - g.mean(dim=1, keepdim=True)
+    u, s, vt = torch.linalg.svd(centered, full_matrices=False)
+    k = min(sources, int(s.numel()))
+    # whitened signals: unit variance, uncorrelated (rows of vt are orthonormal over the samples)
+    z = vt[:k] * samples**0.5
+    gen = torch.Generator().manual_seed(seed)
+    w = _symmetric_decorrelation(torch.randn(k, k, generator=gen, dtype=torch.float64))
+    converged, steps = False, 0
+    while steps < MAX_STEPS and not converged:
+        steps += 1
+        y = torch.tanh(w @ z)  # log-cosh contrast: g = tanh, g' = 1 - tanh^2
+        new = y @ z.T / samples - torch.diag((1 - y * y).mean(dim=1)) @ w
+        new = _symmetric_decorrelation(new)
+        converged = (1 - (new * w).sum(dim=1).abs()).abs().max().item() < TOLERANCE
+        w = new
+    # sources = w z = w diag(sqrt(n)/s) u^T centered: the same map applied to the uncentered rows
+    matrix = w @ torch.diag(samples**0.5 / s[:k].clamp_min(1e-300)) @ u[:, :k].T
+    return Unmixing(matrix, s, steps, converged)
+
+
+@dataclass(frozen=True)
+class Refined:
+    """Each image's functional on the gradient's column space after the zero-pattern refinement."""
+
+    normals: Tensor  # (B, B): delta_b = coordinates @ normals[b]
+    zeros: list[int]  # per image: rows of the gradient that lack it (to the tolerance)
+    residual: float  # the largest misfit of the half of the expected rows nearest each hyperplane
+    draws: int  # the most candidate hyperplanes drawn for one image
+
+
+def _candidates(unit: Tensor, pool: Tensor, trials: int, gen: torch.Generator) -> Tensor:
+    """Normals of hyperplanes through B - 1 rows drawn from ``pool`` (trials x B), each the null vector
+    of its rows."""
+    dim = unit.shape[1]
+    picks = torch.rand(trials, pool.numel(), generator=gen).argsort(dim=1)[:, : dim - 1]
+    return torch.linalg.svd(unit[pool[picks]], full_matrices=True).Vh[:, -1]
+
+
+def refine_by_zeros(
+    coordinates: Tensor, start: Tensor, dropped: float, trials: int = 4000, tolerance: float = 1e-5
+) -> Refined:
+    """Dropout's own zeros separate the images exactly. The gradient's row j is sum_b delta_b[j] x_b, and
+    delta_b[j] = 0 wherever image b's dropout mask dropped unit j (a fraction ``dropped`` of the rows):
+    in the row coordinates C (rows x B, ``coordinates``), image b's rows-without-it lie on one
+    hyperplane, C_j n_b = 0, and no other hyperplane holds nearly as many rows. Each is found by
+    sampling: B - 1 rows drawn from those the start (ICA's unmixing) puts nearest to image b's
+    hyperplane span a candidate; one that holds half the rows expected is refitted to all it holds.
+    An image whose hyperplane no draw finds keeps its start (and the residual says so)."""
+    c = coordinates.double()
+    norms = torch.linalg.norm(c, dim=1)
+    c = c[norms > 1e-9 * norms.max()]  # a unit every image dropped is zero in every row: on every hyperplane
+    unit = c / torch.linalg.norm(c, dim=1, keepdim=True)
+    rows, dim = unit.shape
+    gen = torch.Generator().manual_seed(0)
+    expected = max(dim - 1, int(dropped * rows))
+    pool_size = min(rows, max(2 * dim, 2 * expected))
+    normals: dict[int, Tensor] = {}
+    used = 0
+
+    def search(pool: Tensor) -> Tensor | None:
+        nonlocal used
+        for batch in range(trials // 500):
+            found = _candidates(unit, pool, 500, gen)
+            counts = ((found @ unit.T).abs() <= tolerance).sum(dim=1)
+            for k in torch.argsort(counts, descending=True)[:8].tolist():
+                if counts[k] < expected // 2:
+                    break
+                cand = torch.linalg.svd(unit[(unit @ found[k]).abs() <= tolerance], full_matrices=True).Vh[-1]
+                if all(float((cand @ m).abs()) < 1 - 1e-6 for m in normals.values()):
+                    used = max(used, (batch + 1) * 500)
+                    return cand
+        return None
+
+    # first pass: each image's draws from the rows its start puts nearest its hyperplane
+    for b in range(start.shape[0]):
+        n = start[b].double() / torch.linalg.norm(start[b]).clamp_min(1e-300)
+        hit = search(torch.argsort((unit @ n).abs())[:pool_size])
+        if hit is not None:
+            normals[b] = hit
+    # second pass: the images left, from the rows no hyperplane found so far holds (those lack none of
+    # the images found, so a draw of them lacks a missing image's with far better odds)
+    for b in range(start.shape[0]):
+        if b in normals or not normals:
+            continue
+        held = torch.stack([(unit @ m).abs() <= tolerance for m in normals.values()]).any(dim=0)
+        free = (~held).nonzero().flatten()
+        hit = search(free) if free.numel() >= dim - 1 else None
+        if hit is not None:
+            normals[b] = hit
+    zeros, residual, out = [], 0.0, []
+    for b in range(start.shape[0]):
+        n = normals.get(b, start[b].double() / torch.linalg.norm(start[b]).clamp_min(1e-300))
+        misfit = (unit @ n).abs()
+        zeros.append(int((misfit <= tolerance).sum()))
+        residual = max(residual, float(torch.sort(misfit).values[expected // 2]))
+        out.append(n)
+    return Refined(torch.stack(out), zeros, residual, used)
