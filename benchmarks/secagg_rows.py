@@ -26,10 +26,12 @@ from fedsim.capture import find_oracles, list_captures, load_capture
 from fedsim.models import set_dropout_mode, set_masks
 from fedsim.run_config import resolve_config
 
-# The fine grid: weights unscaled (one image per client, max-weight 1), clipped to [-1, 1], 2**28 levels.
+# The fine grid: weights unscaled (one image per client, max-weight 1), clipped to [-1, 1], 2**28 levels
+# (2**28 - 1 at N = 16: N times the range must stay below SecAgg+'s modulus 2**32).
 # (folder, the table's words, secure aggregation on, its flags)
+FINE_LEVELS = 2**28
 CELLS = (
-    ("fine", "SecAgg+, fine", True, ["--max-weight", "1", "--clipping-range", "1", "--quantization-range", str(2**28)]),
+    ("fine", "SecAgg+, fine", True, ["--max-weight", "1", "--clipping-range", "1", "--quantization-range", "FINE"]),
     ("mw1", "SecAgg+, max-weight 1 (Flower's clipping and quantization ranges)", True, ["--max-weight", "1"]),
     ("defaults", "SecAgg+, Flower's defaults", True, []),
     ("plain", "no secure aggregation", False, []),
@@ -51,7 +53,8 @@ def federation(
     run = out / "fed"
     if not (run / "results.json").is_file():
         flags = ["--model", model[0], "--dataset", model[1]]
-        flags += ["--secagg", *quantization] if secagg else []
+        levels = str(min(FINE_LEVELS, (2**32 - 1) // n))
+        flags += ["--secagg", *(levels if q == "FINE" else q for q in quantization)] if secagg else []
         if fedavg:  # a FedAvg round: K = fedavg SGD steps of batch 1 on as many images per client
             flags += ["--capture-kind", "update", "--capture-images", str(fedavg), "--batch-size", "1"]
             flags += ["--optimizer", "sgd", "--lr", "0.01"]

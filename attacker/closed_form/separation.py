@@ -83,7 +83,7 @@ def _candidates(unit: Tensor, pool: Tensor, trials: int, gen: torch.Generator) -
 
 
 def refine_by_zeros(
-    coordinates: Tensor, start: Tensor, dropped: float, trials: int = 4000, tolerance: float = 1e-5
+    coordinates: Tensor, start: Tensor, dropped: float, noise: float = 0.0, trials: int = 4000, tolerance: float = 1e-5
 ) -> Refined:
     """Dropout's own zeros separate the images exactly. The gradient's row j is sum_b delta_b[j] x_b, and
     delta_b[j] = 0 wherever image b's dropout mask dropped unit j (a fraction ``dropped`` of the rows):
@@ -91,12 +91,17 @@ def refine_by_zeros(
     hyperplane, C_j n_b = 0, and no other hyperplane holds nearly as many rows. Each is found by
     sampling: B - 1 rows drawn from those the start (ICA's unmixing) puts nearest to image b's
     hyperplane span a candidate; one that holds half the rows expected is refitted to all it holds.
-    An image whose hyperplane no draw finds keeps its start (and the residual says so)."""
+    An image whose hyperplane no draw finds keeps its start (and the residual says so). A row is on a
+    hyperplane to ``tolerance`` of its norm, or to 4 ``noise`` (the std of noise in the coordinates,
+    e.g. a SecAgg+ quantization's), whichever is larger."""
     c = coordinates.double()
     norms = torch.linalg.norm(c, dim=1)
-    c = c[norms > 1e-9 * norms.max()]  # a unit every image dropped is zero in every row: on every hyperplane
-    unit = c / torch.linalg.norm(c, dim=1, keepdim=True)
+    keep = norms > max(1e-9 * float(norms.max()), 4 * noise)  # a unit every image dropped: zero in every row
+    c, norms = c[keep], norms[keep]
+    unit = c / norms[:, None]
     rows, dim = unit.shape
+    # each row's tolerance on |u . n| (u: the row made unit): relative, or the noise over its norm
+    tol = (4 * noise / norms).clamp_min(tolerance)
     gen = torch.Generator().manual_seed(0)
     expected = max(dim - 1, int(dropped * rows))
     pool_size = min(rows, max(2 * dim, 2 * expected))
@@ -107,11 +112,11 @@ def refine_by_zeros(
         nonlocal used
         for batch in range(trials // 500):
             found = _candidates(unit, pool, 500, gen)
-            counts = ((found @ unit.T).abs() <= tolerance).sum(dim=1)
+            counts = ((found @ unit.T).abs() <= tol).sum(dim=1)
             for k in torch.argsort(counts, descending=True)[:8].tolist():
                 if counts[k] < expected // 2:
                     break
-                cand = torch.linalg.svd(unit[(unit @ found[k]).abs() <= tolerance], full_matrices=True).Vh[-1]
+                cand = torch.linalg.svd(unit[(unit @ found[k]).abs() <= tol], full_matrices=True).Vh[-1]
                 if all(float((cand @ m).abs()) < 1 - 1e-6 for m in normals.values()):
                     used = max(used, (batch + 1) * 500)
                     return cand
@@ -128,7 +133,7 @@ def refine_by_zeros(
     for b in range(start.shape[0]):
         if b in normals or not normals:
             continue
-        held = torch.stack([(unit @ m).abs() <= tolerance for m in normals.values()]).any(dim=0)
+        held = torch.stack([(unit @ m).abs() <= tol for m in normals.values()]).any(dim=0)
         free = (~held).nonzero().flatten()
         hit = search(free) if free.numel() >= dim - 1 else None
         if hit is not None:
@@ -137,7 +142,7 @@ def refine_by_zeros(
     for b in range(start.shape[0]):
         n = normals.get(b, start[b].double() / torch.linalg.norm(start[b]).clamp_min(1e-300))
         misfit = (unit @ n).abs()
-        zeros.append(int((misfit <= tolerance).sum()))
+        zeros.append(int((misfit <= tol).sum()))
         residual = max(residual, float(torch.sort(misfit).values[expected // 2]))
         out.append(n)
     return Refined(torch.stack(out), zeros, residual, used)

@@ -348,7 +348,10 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     normals = torch.linalg.inv(unmixing.matrix @ dw @ space.T).T
     extra: dict[str, Any] = {"ica_steps": unmixing.steps, "ica_converged": unmixing.converged}
     if job.p > 0:  # dropout's zeros pin each image down exactly (separation.refine_by_zeros)
-        refined = refine_by_zeros(coords, normals, job.p)
+        # noise in the coordinates (a quantized SecAgg+ mean, DP): the first singular value past the
+        # images' B, as an m x n matrix of iid noise of std sigma has sigma (sqrt(m) + sqrt(n))
+        noise = float(svd.S[b] / (dw.shape[0] ** 0.5 + dw.shape[1] ** 0.5)) if svd.S.numel() > b else 0.0
+        refined = refine_by_zeros(coords, normals, job.p, noise)
         normals = refined.normals
         extra |= {"separated_by": "dropout zeros", "zero_rows": refined.zeros, "zero_misfit": refined.residual}
     else:
