@@ -127,6 +127,7 @@ def test_cocktail_party_separates_a_dropout_batch_exactly(bias: bool) -> None:
     spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 128, "bias": bias})
     for result, oracle in _solve(spec, "cocktail_party", n=2, batch=4):
         assert result.status == SOLVED and result.extras["separated_by"] == "dropout zeros"
+        assert result.extras["images_separated"] == 4
         assert result.extras["rank"] == result.extras["unknowns"] == 4
         # each image's hyperplane holds the rows of the units its own mask dropped (every other image's
         # delta is nonzero there but for the units two images both dropped)

@@ -72,6 +72,7 @@ class Refined:
     zeros: list[int]  # per image: rows of the gradient that lack it (to the tolerance)
     residual: float  # the largest misfit of the half of the expected rows nearest each hyperplane
     draws: int  # the most candidate hyperplanes drawn for one image
+    found: int  # images whose hyperplane a draw found (the others keep their start)
 
 
 def _candidates(unit: Tensor, pool: Tensor, trials: int, gen: torch.Generator) -> Tensor:
@@ -145,4 +146,4 @@ def refine_by_zeros(
         zeros.append(int((misfit <= tol).sum()))
         residual = max(residual, float(torch.sort(misfit).values[expected // 2]))
         out.append(n)
-    return Refined(torch.stack(out), zeros, residual, used)
+    return Refined(torch.stack(out), zeros, residual, used, len(normals))

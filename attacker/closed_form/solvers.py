@@ -353,7 +353,12 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
         noise = float(svd.S[b] / (dw.shape[0] ** 0.5 + dw.shape[1] ** 0.5)) if svd.S.numel() > b else 0.0
         refined = refine_by_zeros(coords, normals, job.p, noise)
         normals = refined.normals
-        extra |= {"separated_by": "dropout zeros", "zero_rows": refined.zeros, "zero_misfit": refined.residual}
+        extra |= {
+            "separated_by": "dropout zeros",
+            "images_separated": refined.found,
+            "zero_rows": refined.zeros,
+            "zero_misfit": refined.residual,
+        }
     else:
         extra |= {"separated_by": "ica"}
     coeffs = coords @ normals.T  # (outputs, B): a_b, each image's delta up to scale
