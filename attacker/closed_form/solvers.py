@@ -323,8 +323,8 @@ def _find_mixed(model: nn.Module, input_shape: tuple[int, ...], classes: int) ->
     "cocktail_party",
     needs="a first Linear layer on the flattened image and a second Linear after it",
     mechanism=(
-        "the first Linear's gradient mixes the batch's images, and independent component analysis unmixes "
-        "them (the Cocktail Party Attack)"
+        "the first Linear's gradient mixes the batch's images, and independent component analysis unmixes them "
+        "(the Cocktail Party Attack); under dropout each image's own zeros in that gradient separate it exactly"
     ),
     batch_reason="at B = 1 the first Linear's gradient is rank one, and first_linear solves it exactly",
     find=_find_mixed,
