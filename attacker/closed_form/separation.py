@@ -91,7 +91,8 @@ def refine_by_zeros(
     in the row coordinates C (rows x B, ``coordinates``), image b's rows-without-it lie on one
     hyperplane, C_j n_b = 0, and no other hyperplane holds nearly as many rows. Each is found by
     sampling: B - 1 rows drawn from those the start (ICA's unmixing) puts nearest to image b's
-    hyperplane span a candidate; one that holds half the rows expected is refitted to all it holds.
+    hyperplane span a candidate; one that holds a quarter of the rows expected beyond its own B - 1 is
+    refitted to all it holds.
     An image whose hyperplane no draw finds keeps its start (and the residual says so). A row is on a
     hyperplane to ``tolerance`` of its norm, or to 4 ``noise`` (the std of noise in the coordinates,
     e.g. a SecAgg+ quantization's), whichever is larger."""
@@ -106,6 +107,8 @@ def refine_by_zeros(
     gen = torch.Generator().manual_seed(0)
     expected = max(dim - 1, int(dropped * rows))
     pool_size = min(rows, max(2 * dim, 2 * expected))
+    # a candidate holds its own B - 1 rows by construction: it must hold a quarter of the expected beyond
+    need = dim - 1 + expected // 4
     normals: dict[int, Tensor] = {}
     used = 0
 
@@ -115,7 +118,7 @@ def refine_by_zeros(
             found = _candidates(unit, pool, 500, gen)
             counts = ((found @ unit.T).abs() <= tol).sum(dim=1)
             for k in torch.argsort(counts, descending=True)[:8].tolist():
-                if counts[k] < expected // 2:
+                if counts[k] < need:
                     break
                 cand = torch.linalg.svd(unit[(unit @ found[k]).abs() <= tol], full_matrices=True).Vh[-1]
                 if all(float((cand @ m).abs()) < 1 - 1e-6 for m in normals.values()):
@@ -123,8 +126,11 @@ def refine_by_zeros(
                     return cand
         return None
 
-    # first pass: each image's draws from the rows its start puts nearest its hyperplane
+    # first pass: each image's draws from the rows its start puts nearest its hyperplane; where the first
+    # three images find none, the draws' odds (about the pool's purity to the power B - 1) are hopeless
     for b in range(start.shape[0]):
+        if b == 3 and not normals:
+            break
         n = start[b].double() / torch.linalg.norm(start[b]).clamp_min(1e-300)
         hit = search(torch.argsort((unit @ n).abs())[:pool_size])
         if hit is not None:
