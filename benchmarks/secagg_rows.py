@@ -119,16 +119,19 @@ def _clean_update(run: Path) -> tuple[float, float]:
 
 
 def _closed_form(result: dict) -> str:
-    """The closed forms' SSIM per image ([0,1], paper space), or why none applied."""
+    """The closed forms' SSIM per image, or why none applied."""
     solved = [a for a in result["attacks"] if a not in ATTACKS]
     if not solved:
         return "none applies" if result.get("closed_forms_skipped") else "not run"
-    return " ".join(f"{_ssims(result, a)} ({_ssims(result, a, 'ssim_paper')}) {a}" for a in solved)
+    return " ".join(f"{a}: {_ssims(result, a)}" for a in solved)
 
 
-def _ssims(result: dict, attack: str, key: str = "ssim_std") -> str:
-    values = [r["attacks"][attack][key] for r in sorted(result["images"], key=lambda r: (r["client"], r["index"]))]
-    return " ".join(f"{v:.3f}" for v in values)
+def _ssims(result: dict, attack: str) -> str:
+    """Per image (the clients' order) the [0,1] SSIM, then the mean in paper space."""
+    rows = sorted(result["images"], key=lambda r: (r["client"], r["index"]))
+    values = " ".join(f"{r['attacks'][attack]['ssim_std']:.3f}" for r in rows)
+    paper = sum(r["attacks"][attack]["ssim_paper"] for r in rows) / len(rows)
+    return f"{values} (paper {paper:.3f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if secagg:
                 step, rms, error = clean_size(run)
                 size = f"{step:.2g} / {rms:.2g} / {error:.2g}"
-            ssim = " | ".join(f"{_ssims(result, a)} ({_ssims(result, a, 'ssim_paper')})" for a in ATTACKS)
+            ssim = " | ".join(_ssims(result, a) for a in ATTACKS)
             summary = result["summary"]
             seen = f"{summary['recognisable']} of {summary['images']}"
             bound = summary.get("oracle_bound") or {}
