@@ -32,6 +32,14 @@ from fedsim.run_config import resolve_config
 FINE_LEVELS = 2**28
 CELLS = (
     ("fine", "SecAgg+, fine", True, ["--max-weight", "1", "--clipping-range", "1", "--quantization-range", "FINE"]),
+    # the same grid over Flower's clipping range [-8, 8]: for a model with weights beyond [-1, 1] (the ViT's
+    # position embedding and cls token), which the fine cell's range clips and so corrupts
+    (
+        "fine8",
+        "SecAgg+, fine, clipping range 8",
+        True,
+        ["--max-weight", "1", "--clipping-range", "8", "--quantization-range", "FINE"],
+    ),
     ("mw1", "SecAgg+, max-weight 1 (Flower's clipping and quantization ranges)", True, ["--max-weight", "1"]),
     ("defaults", "SecAgg+, Flower's defaults", True, []),
     ("plain", "no secure aggregation", False, []),
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--iterations", type=int, default=None, help="attack budget (default: the profile's)")
     parser.add_argument("--fedavg", type=int, default=0, metavar="K", help="FedAvg rounds of K images, K steps")
-    parser.add_argument("--cells", nargs="+", default=[c[0] for c in CELLS], help="which quantizations")
+    parser.add_argument("--cells", nargs="+", default=["fine", "mw1", "defaults", "plain"], help="which quantizations")
     parser.add_argument("--model", default="mlp", help="the federation's model (p = 0.25, its default)")
     parser.add_argument("--dataset", default="mnist")
     args = parser.parse_args(argv)
