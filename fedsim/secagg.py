@@ -128,3 +128,20 @@ def aggregate_step(num_examples: Sequence[int], settings: Mapping[str, Any]) -> 
     aggregate's error per entry is below ``len(num_examples)`` such steps (one per client)."""
     step = 2 * float(settings["clipping_range"]) / int(settings["quantization_range"])
     return step / sum(weight_ratios(num_examples, settings))
+
+
+def clipped_entries(
+    state: Mapping[str, Any], num_examples: Sequence[int], settings: Mapping[str, Any]
+) -> tuple[int, float]:
+    """How many floating entries of ``state`` (the global model the clients start from), times the largest
+    client weight ``r_i``, reach the clipping range, and the largest such product. Flower's quantizer
+    clips each client's weighted weights to [-C, C]: an entry beyond it comes back wrong in the mean (the
+    ViT's position embedding reaches 4.3 at its initialization, beyond a clipping range of 1)."""
+    r = max(weight_ratios(num_examples, settings), default=0.0)
+    c = float(settings["clipping_range"])
+    floats = [v.detach().abs().max() for v in state.values() if v.is_floating_point() and v.numel()]
+    largest = float(max(floats)) * r if floats else 0.0
+    if largest < c:
+        return 0, largest
+    count = sum(int((v.detach().abs() * r >= c).sum()) for v in state.values() if v.is_floating_point())
+    return count, largest

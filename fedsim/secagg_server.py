@@ -178,6 +178,18 @@ class CuriousSecAggStrategy(Strategy):
                 f"{self.quantization['max_weight']:g} overflowed the quantized sum); round skipped",
             )
             return None, {}
+        if results and server_round in self._sent:
+            clipped, largest = secagg.clipped_entries(
+                self._sent[server_round][0], [r.num_examples for _, r in results], self.quantization
+            )
+            if clipped:
+                self._record_failure(
+                    server_round,
+                    f"{clipped} weights of the global model, times their client's weight num_examples/max-weight, "
+                    f"reach SecAgg+'s clipping-range {self.quantization['clipping_range']:g} (largest {largest:.3g}): "
+                    "Flower's quantizer clips them and the mean is wrong there; "
+                    f"set clipping-range above {largest:.3g}",
+                )
         if results and self.is_capture_round(server_round) and server_round in self._sent:
             try:
                 self._capture(server_round, results, metas)

@@ -346,3 +346,16 @@ def test_secagg_composes_with_the_client_side_defenses_and_the_legacy_strategies
         # each client's Opacus accountant reached the server through the FitRes metrics SecAgg+ leaves in clear
         spent = summary["privacy"]
         assert set(spent["per_client"]) == {"0", "1", "2"} and 0 < spent["epsilon"] < float("inf")
+
+
+def test_weights_beyond_the_clipping_range_are_named_not_silently_clipped(tmp_path: Path) -> None:
+    # The MLP's weights reach about 0.04: a clipping range of 0.01 clips most of them in Flower's quantizer.
+    _, summary = _secagg_run(tmp_path / "run", **{**FINE, "max-weight": 1.0, "clipping-range": 0.01})
+    (failure,) = summary["failures"]
+    assert "reach SecAgg+'s clipping-range 0.01" in failure["reason"]
+    assert "set clipping-range above" in failure["reason"]
+    largest = float(failure["reason"].rsplit("above ", 1)[1])
+    assert 0.01 < largest < 1
+    # at the fine grid's range 1 nothing is clipped, and nothing is said
+    _, summary = _secagg_run(tmp_path / "fine", **{**FINE, "max-weight": 1.0})
+    assert summary["failures"] == []
