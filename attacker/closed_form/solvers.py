@@ -333,8 +333,9 @@ def _find_mixed(model: nn.Module, input_shape: tuple[int, ...], classes: int) ->
 )
 def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) -> Solution:
     """dL/dW = sum_b delta_b x_b^T: ICA of its rows gives each image up to sign and scale, s_b = c_b x_b,
-    and dW = sum_b a_b s_b^T with a_b = delta_b / c_b. The scale c_b from the bias where there is one
-    (dL/db = sum_b c_b a_b); else, and as the check of every image, from the next Linear: its input
+    and dW = sum_b a_b s_b^T with a_b = delta_b / c_b; under dropout the rows without image b (its zeros)
+    fix each s_b exactly where their hyperplane is found (``refine_by_zeros``). The scale c_b from the bias
+    where there is one (dL/db = sum_b c_b a_b); else, and as the check of every image, from the next Linear: its input
     h_b = m_b * act(W x_b + b) (m_b: the dropout mask, the zeros of a_b) lies in the row space of that
     Linear's gradient (rank B). A mix of images fits it for no scale: the largest misfit is the residual."""
     grads, layer, nxt = _grads(job, model), found.layer, found.following
