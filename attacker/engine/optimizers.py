@@ -14,6 +14,7 @@ ONE engine iteration of a module's active jobs (``step``), which the LightningMo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 import torch
@@ -44,15 +45,15 @@ class Engine(Protocol):
     def log(self, name: str, value: float, **kwargs: Any) -> None: ...
 
 
-class AttackOptimizer:
+class AttackOptimizer(ABC):
     name: str
     batches_jobs: bool  # many jobs in one module; False: each job runs in a module of its own
     needs_fixed_masks: bool  # the masks are not optimized: they stay at their init
 
+    @abstractmethod
     def step(self, module: Engine, active: list[int]) -> None:
         """One engine iteration of the active jobs: the loss at the iterate it starts from, the best
         iterate and the stopping rules (``JobState``), the move, then ``state.iteration`` + 1."""
-        raise NotImplementedError
 
 
 class JobAdam(AttackOptimizer):
