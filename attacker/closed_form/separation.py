@@ -1,4 +1,5 @@
-"""Independent component analysis of a gradient's rows: the unmixing behind the Cocktail Party Attack.
+"""Separating a gradient's rows into the images they mix: independent component analysis (the Cocktail
+Party Attack), then, under dropout, the exact separation by dropout's own zeros (``refine_by_zeros``).
 
 A first Linear's gradient at batch size B is ``dL/dW = sum_b delta_b x_b^T``: each of its rows is a mix
 of the B images. Images are far from Gaussian (a digit is mostly background, a photo mostly smooth), so
@@ -71,7 +72,6 @@ class Refined:
     normals: Tensor  # (B, B): delta_b = coordinates @ normals[b]
     zeros: list[int]  # per image: rows of the gradient that lack it (to the tolerance)
     residual: float  # the largest misfit of the half of the expected rows nearest each hyperplane
-    draws: int  # the most candidate hyperplanes drawn for one image
     found: int  # images whose hyperplane a draw found (the others keep their start)
 
 
@@ -110,11 +110,10 @@ def refine_by_zeros(
     # a candidate holds its own B - 1 rows by construction: it must hold a quarter of the expected beyond
     need = dim - 1 + expected // 4
     normals: dict[int, Tensor] = {}
-    used = 0
+    starts = start.double() / torch.linalg.norm(start.double(), dim=1, keepdim=True).clamp_min(1e-300)
 
     def search(pool: Tensor) -> Tensor | None:
-        nonlocal used
-        for batch in range(trials // 500):
+        for _ in range(trials // 500):
             found = _candidates(unit, pool, 500, gen)
             counts = ((found @ unit.T).abs() <= tol).sum(dim=1)
             for k in torch.argsort(counts, descending=True)[:8].tolist():
@@ -122,7 +121,6 @@ def refine_by_zeros(
                     break
                 cand = torch.linalg.svd(unit[(unit @ found[k]).abs() <= tol], full_matrices=True).Vh[-1]
                 if all(float((cand @ m).abs()) < 1 - 1e-6 for m in normals.values()):
-                    used = max(used, (batch + 1) * 500)
                     return cand
         return None
 
@@ -131,8 +129,7 @@ def refine_by_zeros(
     for b in range(start.shape[0]):
         if b == 3 and not normals:
             break
-        n = start[b].double() / torch.linalg.norm(start[b]).clamp_min(1e-300)
-        hit = search(torch.argsort((unit @ n).abs())[:pool_size])
+        hit = search(torch.argsort((unit @ starts[b]).abs())[:pool_size])
         if hit is not None:
             normals[b] = hit
     # second pass: the images left, from the rows no hyperplane found so far holds (those lack none of
@@ -147,9 +144,9 @@ def refine_by_zeros(
             normals[b] = hit
     zeros, residual, out = [], 0.0, []
     for b in range(start.shape[0]):
-        n = normals.get(b, start[b].double() / torch.linalg.norm(start[b]).clamp_min(1e-300))
+        n = normals.get(b, starts[b])
         misfit = (unit @ n).abs()
         zeros.append(int((misfit <= tol).sum()))
         residual = max(residual, float(torch.sort(misfit).values[expected // 2]))
         out.append(n)
-    return Refined(torch.stack(out), zeros, residual, used, len(normals))
+    return Refined(torch.stack(out), zeros, residual, len(normals))
