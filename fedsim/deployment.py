@@ -360,10 +360,13 @@ class LocalDeployment:
     def _check_alive(self, ignore: Iterable[str] = ()) -> None:
         for name, proc in self.procs.items():
             if name != "flwr-run" and name not in ignore and proc.poll() is not None:
-                raise DeploymentError(
-                    f"{name} exited with code {proc.returncode}; see {self.log_dir / (name + '.log')}:\n"
-                    + self.log_tail(name)
-                )
+                raise self._exited(name)
+
+    def _exited(self, name: str) -> DeploymentError:
+        return DeploymentError(
+            f"{name} exited with code {self.procs[name].returncode}; see {self.log_dir / (name + '.log')}:\n"
+            + self.log_tail(name)
+        )
 
     def log_tail(self, name: str, n: int = 20) -> str:
         try:
@@ -389,12 +392,16 @@ class LocalDeployment:
         waiting, lost = dict(ports), []
         while True:
             for name, port in list(waiting.items()):
-                if self.procs[name].poll() is not None and _PORT_TAKEN.search(self.log_tail(name, 50)):
+                if self.procs[name].poll() is not None:
+                    if not _PORT_TAKEN.search(self.log_tail(name, 50)):
+                        raise self._exited(name)
                     lost.append(name)
                     del waiting[name]
                 elif self._listens(name, port):
                     del waiting[name]
-            self._check_alive(ignore=lost)
+            # The waiting ones are judged above, once per pass: one that exits after its own check is
+            # seen (port taken or not) on the next pass rather than taken for a crash here.
+            self._check_alive(ignore=[*lost, *waiting])
             if not waiting:
                 return lost
             if time.monotonic() > deadline:

@@ -127,6 +127,37 @@ def test_stop_never_signals_a_process_that_was_given_a_seen_pid(tmp_path: Path) 
             proc.wait()
 
 
+def test_a_process_that_loses_its_port_while_being_checked_is_restarted_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleaving CI met: the process is still running when its exit is checked, then exits
+    (its port taken) before the check of the other processes; it is a lost port, not a crash."""
+    import sys
+
+    dep = LocalDeployment(1, tmp_path / "work")
+    lost_its_port = "import sys; print('[Errno 98] address already in use'); sys.exit(1)"
+    dep._spawn("supernode-0", [sys.executable, "-c", lost_its_port])
+
+    proc = dep.procs["supernode-0"]
+    real_poll, polls = proc.poll, []
+
+    def poll_running_once() -> int | None:  # still running at its own check, exited at every later one
+        polls.append(1)
+        return None if len(polls) == 1 else real_poll()
+
+    def listens_after_it_exited(name: str, port: int) -> bool:
+        proc.wait()  # it exits between its own poll() and the check of the rest
+        return False
+
+    monkeypatch.setattr(proc, "poll", poll_running_once)
+    monkeypatch.setattr(dep, "_listens", listens_after_it_exited)
+    try:
+        assert dep._wait_for_ports({"supernode-0": 1}, timeout=5) == ["supernode-0"]
+        assert len(polls) >= 2  # seen once running, then as exited
+    finally:
+        dep.stop()
+
+
 def test_a_port_taken_before_the_process_binds_it_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another program binds the port free_ports picked before the SuperLink (or a SuperNode) does,
     as a deployment starting at the same moment may: the deployment does not take that program for
