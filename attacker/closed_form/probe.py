@@ -142,7 +142,9 @@ def last_linear(model: nn.Module, input_shape: tuple[int, ...]) -> Layer | None:
     return Layer(hit[0], weight, bias, tuple(hit[1].shape[1:]))
 
 
-def images_from_rows(rows: Tensor, pixels: Tensor, input_shape: tuple[int, ...]) -> Tensor:
+def images_from_rows(
+    rows: Tensor, pixels: Tensor, input_shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Patch rows (B, tokens, entries) back into images (B, *input_shape); a pixel seen in several
     rows takes their mean, one seen in none stays 0 (the dataset mean in normalized space)."""
     b = rows.shape[0]
@@ -153,7 +155,7 @@ def images_from_rows(rows: Tensor, pixels: Tensor, input_shape: tuple[int, ...])
     count = torch.zeros(numel, dtype=torch.float64).index_add_(
         0, idx[keep], torch.ones(int(keep.sum()), dtype=torch.float64)
     )
-    return (out / count.clamp_min(1)).reshape(b, *input_shape).float()
+    return (out / count.clamp_min(1)).reshape(b, *input_shape).to(dtype)
 
 
 @dataclass(frozen=True)

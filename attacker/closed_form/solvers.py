@@ -19,16 +19,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.optimize import minimize_scalar
+from scipy.optimize import minimize, minimize_scalar
 from torch import Tensor, nn
 
 from ..jobs import VictimJob
 from .probe import Layer, _Stop, evaluating, first_layer, images_from_rows, last_linear, position_embedding
-from .separation import refine_by_zeros, unmix
+from .separation import MASK_RTOL, complete_by_smoothness, refine_by_zeros, unmix, zero_tolerance
 
 # A solve claims "exact" only where the linear system it solved holds to this relative residual
 # (float32 rounding of the client's own gradient is about 1e-7); pruning or noise leave more.
 EXACT_RTOL = 1e-6
+# A gradient row whose part in the missing images' dimensions is below this fraction of it holds none of
+# them: what is left there is the rounding of the images already solved (next-layer misfit ~4e-7).
+FAINT = 1e-4
 
 
 class NotApplicable(ValueError):
@@ -311,6 +314,44 @@ def solve_first_linear(found: _FirstLinear, job: VictimJob, model: nn.Module) ->
 # -- (b') the first Linear's inputs at B > 1: unmixed by independent component analysis ------------------
 
 
+def _outer(cs: np.ndarray, v: Tensor) -> Tensor:
+    """The candidate images c v for each scale c of ``cs``."""
+    return torch.as_tensor(cs, dtype=torch.float64)[:, None] * v[None]
+
+
+def _along_free_directions(
+    x: Tensor, free: Tensor, misfit: Callable[[Tensor], np.ndarray], misfit_at: float
+) -> tuple[Tensor, float, Callable[[Tensor], np.ndarray]]:
+    """The image ``a (x + |x| free^T t)`` nearest ``x`` that the next layer accepts best: a local search
+    over the scale a and the free directions' weights t (Nelder-Mead: the misfit is a norm, not smooth
+    at its zero). Keeps ``x`` where the search finds nothing better."""
+    size = float(torch.linalg.norm(x))
+
+    def image(theta: np.ndarray) -> Tensor:
+        t = torch.as_tensor(theta[1:], dtype=torch.float64)
+        return float(np.exp(theta[0])) * (x + size * (t @ free))
+
+    dims = 1 + free.shape[0]
+    theta, best = np.zeros(dims), misfit_at
+    for step in (1e-1, 1e-2, 1e-3, 1e-4):  # restarted on shrinking simplices: a kink can stall one run
+        res = minimize(
+            lambda th: float(misfit(image(th)[None])[0]),
+            theta,
+            method="Nelder-Mead",
+            options={
+                "initial_simplex": np.vstack([theta, theta + step * np.eye(dims)]),
+                "xatol": 1e-13,
+                "fatol": 1e-14,
+                "maxiter": 600 * dims,
+            },
+        )
+        if res.fun < best:
+            theta, best = res.x, float(res.fun)
+        if best <= EXACT_RTOL:
+            break
+    return (image(theta), best, misfit) if best < misfit_at else (x, misfit_at, misfit)
+
+
 def _find_mixed(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _FirstLinear:
     found = _find_first_linear(model, input_shape, classes)
     following = found.following or _second_linear(model, found.layer, input_shape)
@@ -348,6 +389,8 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     # ICA's sources are K V: image b's normal is row b of K^-T (then dW = (C K^-1)(K V))
     normals = torch.linalg.inv(unmixing.matrix @ dw @ space.T).T
     extra: dict[str, Any] = {"ica_steps": unmixing.steps, "ica_converged": unmixing.converged}
+    missing: list[int] = []  # images whose hyperplane was not found, beside others whose was
+    noise = 0.0
     if job.p > 0:  # dropout's zeros pin each image down exactly (separation.refine_by_zeros)
         # noise in the coordinates (a quantized SecAgg+ mean, DP): the first singular value past the
         # images' B, as an m x n matrix of iid noise of std sigma has sigma (sqrt(m) + sqrt(n))
@@ -360,34 +403,83 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
             "zero_rows": refined.zeros,
             "zero_misfit": refined.residual,
         }
+        if refined.found and refined.missing:  # the found normals leave the others' images a few directions
+            missing = refined.missing
+            sources = torch.linalg.solve(normals.T, space)
+            laid_out = images_from_rows(sources[:, None], layer.pixels, found.input_shape, dtype=torch.float64)
+            completed = complete_by_smoothness(laid_out, missing) @ sources
+            normals = torch.linalg.inv(completed @ space.T).T  # the completed images' functionals
     else:
         extra |= {"separated_by": "ica"}
-    coeffs = coords @ normals.T  # (outputs, B): a_b, each image's delta up to scale
-    sources = torch.linalg.solve(normals.T, space)  # (B, inputs): dW = coeffs @ sources
-    scales = None
-    if layer.bias is not None:
-        scales = torch.linalg.lstsq(coeffs, grads[layer.bias][:, None]).solution[:, 0]
     basis = torch.linalg.svd(grads[nxt.weight], full_matrices=False).Vh[:b]  # the next input's row space
-    shape, rows, misfits = found.input_shape, [], []
-    for i in range(b):
-        kept = (coeffs[:, i].abs() > EXACT_RTOL * coeffs[:, i].abs().max()).double()
-        v = sources[i] / torch.linalg.norm(sources[i]).clamp_min(1e-300)
+    shape = found.input_shape
+    on_plane = zero_tolerance(torch.linalg.norm(coords, dim=1), noise, MASK_RTOL)  # per row
 
-        def misfit(cs: np.ndarray, v: Tensor = v, kept: Tensor = kept) -> np.ndarray:
-            xs = torch.as_tensor(cs, dtype=torch.float64)[:, None] * v[None]
+    def misfit_of(kept: Tensor) -> Callable[[Tensor], np.ndarray]:
+        """Each candidate image's (rows of ``xs``) next-layer input off that gradient's row space, relative."""
+
+        def misfit(xs: Tensor) -> np.ndarray:
             h = _layer_inputs(model, nxt.module, xs.float().reshape(-1, *shape)) * kept[None]
             off = h - (h @ basis.T) @ basis
             return (torch.linalg.norm(off, dim=1) / torch.linalg.norm(h, dim=1).clamp_min(1e-300)).numpy()
 
-        if scales is not None:
-            scale = float(torch.linalg.norm(sources[i]) / scales[i])
-            misfit_at = float(misfit(np.array([scale]))[0])
-        else:
-            scale, misfit_at = _best_scale(misfit, typical=float(np.sqrt(v.numel())))
-        rows.append(scale * v)
-        misfits.append(misfit_at)
-    images = images_from_rows(torch.stack(rows)[:, None], layer.pixels, shape)
-    extra |= {"scale_from": "bias" if scales is not None else "next layer", "scale_misfits": misfits}
+        return misfit
+
+    def images_and_misfits(normals: Tensor, which: list[int]) -> dict[int, tuple[Tensor, float, Callable]]:
+        coeffs = coords @ normals.T  # (outputs, B): a_b, each image's delta up to scale
+        sources = torch.linalg.solve(normals.T, space)  # (B, inputs): dW = coeffs @ sources
+        scales = None
+        if layer.bias is not None:
+            scales = torch.linalg.lstsq(coeffs, grads[layer.bias][:, None]).solution[:, 0]
+        out = {}
+        for i in which:
+            # a unit is dropped where its row lies on image i's hyperplane (relative to the row: a kept
+            # unit's delta can be tiny beside the largest)
+            kept = (coeffs[:, i].abs() > on_plane * torch.linalg.norm(normals[i])).double()
+            v = sources[i] / torch.linalg.norm(sources[i]).clamp_min(1e-300)
+            misfit = misfit_of(kept)
+            if scales is not None:
+                scale = float(torch.linalg.norm(sources[i]) / scales[i])
+                misfit_at = float(misfit((scale * v)[None])[0])
+            else:
+                typical = float(v.numel()) ** 0.5
+                scale, misfit_at = _best_scale(lambda cs, v=v, m=misfit: m(_outer(cs, v)), typical=typical)
+            out[i] = (scale * v, misfit_at, misfit)
+        return out
+
+    solved = images_and_misfits(normals, [i for i in range(b) if i not in missing])
+    if missing:
+        # A smoothness completion is a prior, not a proof: where the next layer disagrees, the image is
+        # searched along its free directions (the missing images') for the one it accepts.
+        free = torch.linalg.solve(normals.T, space)[missing]
+        free = free / torch.linalg.norm(free, dim=1, keepdim=True)
+        for i, (x, misfit_at, misfit) in list(solved.items()):
+            if misfit_at > EXACT_RTOL:
+                solved[i] = _along_free_directions(x, free, misfit, misfit_at)
+        completed = [i for i in solved if solved[i][1] <= EXACT_RTOL]
+        rows = torch.stack([solved[i][0] if i in solved else torch.zeros_like(space[0]) for i in range(b)])
+        for k in missing:  # one missing: its functional follows from the others' images and its own direction
+            rows[k] = torch.linalg.solve(normals.T, space)[k]
+        normals = torch.linalg.inv(rows @ space.T).T
+        if len(missing) > 1 and len(completed) == len(solved):
+            # Every other image exact: the missing ones' functionals lie in the m dimensions those leave free,
+            # where the rows without a missing image lie on a hyperplane again, now of m dimensions (a line
+            # at m = 2, which one row draws): found as before.
+            free_space = torch.linalg.svd(rows[completed] @ space.T, full_matrices=True).Vh[len(completed) :]
+            projected = coords @ free_space.T
+            # rows without any missing image project to the found images' rounding only: no direction to count
+            faint = torch.linalg.norm(projected, dim=1) < FAINT * torch.linalg.norm(coords, dim=1)
+            projected[faint] = 0
+            sub = refine_by_zeros(projected, normals[missing] @ free_space.T, job.p, noise)
+            extra |= {"missing_separated": sub.found}
+            if not sub.missing:
+                normals[missing] = sub.normals @ free_space
+        solved |= images_and_misfits(normals, missing)
+        extra |= {"images_completed": completed}
+    rows_out = torch.stack([solved[i][0] for i in range(b)])
+    misfits = [solved[i][1] for i in range(b)]
+    images = images_from_rows(rows_out[:, None], layer.pixels, shape)
+    extra |= {"scale_from": "bias" if layer.bias is not None else "next layer", "scale_misfits": misfits}
     return Solution(images, _rank(dw), b, max(misfits), extra)
 
 
