@@ -319,23 +319,22 @@ def _outer(cs: np.ndarray, v: Tensor) -> Tensor:
     return torch.as_tensor(cs, dtype=torch.float64)[:, None] * v[None]
 
 
-def _along_free_directions(
-    x: Tensor, free: Tensor, misfit: Callable[[Tensor], np.ndarray], misfit_at: float
-) -> tuple[Tensor, float, Callable[[Tensor], np.ndarray]]:
-    """The image ``a (x + |x| free^T t)`` nearest ``x`` that the next layer accepts best: a local search
-    over the scale a and the free directions' weights t (Nelder-Mead: the misfit is a norm, not smooth
-    at its zero). Keeps ``x`` where the search finds nothing better."""
+def _along_free_directions(image: _Image, free: Tensor) -> _Image:
+    """The image ``a (x + |x| free^T t)`` nearest ``image.row`` (x) that the next layer accepts best: a
+    local search over the scale a and the free directions' weights t (Nelder-Mead: the misfit is a norm,
+    not smooth at its zero). Keeps ``image`` where the search finds nothing better."""
+    x, misfit = image.row, image.misfit
     size = float(torch.linalg.norm(x))
 
-    def image(theta: np.ndarray) -> Tensor:
+    def row(theta: np.ndarray) -> Tensor:
         t = torch.as_tensor(theta[1:], dtype=torch.float64)
         return float(np.exp(theta[0])) * (x + size * (t @ free))
 
     dims = 1 + free.shape[0]
-    theta, best = np.zeros(dims), misfit_at
+    theta, best = np.zeros(dims), image.misfit_at
     for step in (1e-1, 1e-2, 1e-3, 1e-4):  # restarted on shrinking simplices: a kink can stall one run
         res = minimize(
-            lambda th: float(misfit(image(th)[None])[0]),
+            lambda th: float(misfit(row(th)[None])[0]),
             theta,
             method="Nelder-Mead",
             options={
@@ -349,7 +348,7 @@ def _along_free_directions(
             theta, best = res.x, float(res.fun)
         if best <= EXACT_RTOL:
             break
-    return (image(theta), best, misfit) if best < misfit_at else (x, misfit_at, misfit)
+    return _Image(row(theta), best, misfit) if best < image.misfit_at else image
 
 
 def _find_mixed(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _FirstLinear:
@@ -358,6 +357,107 @@ def _find_mixed(model: nn.Module, input_shape: tuple[int, ...], classes: int) ->
     if following is None:
         raise NotApplicable("no second Linear follows its first to tell a separated image from a mix")
     return _FirstLinear(found.layer, following, input_shape)
+
+
+@dataclass(frozen=True)
+class _Image:
+    """One separated image as a row of the first Linear's input, its next-layer misfit, and that check."""
+
+    row: Tensor
+    misfit_at: float
+    misfit: Callable[[Tensor], np.ndarray]
+
+
+class _Mixture:
+    """A batch gradient's first-Linear rows in their row space (``dW = coords @ space``), and the check
+    every separated image must pass: its next-layer input, with its dropout mask (the zeros of its
+    delta), lies in the row space of the next Linear's gradient."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        found: _FirstLinear,
+        coords: Tensor,
+        space: Tensor,
+        next_grad: Tensor,
+        bias_grad: Tensor | None,
+        noise: float,
+    ) -> None:
+        assert found.following is not None
+        self.model, self.module, self.shape = model, found.following.module, found.input_shape
+        self.coords, self.space, self.bias_grad, self.noise = coords, space, bias_grad, noise
+        self.basis = torch.linalg.svd(next_grad, full_matrices=False).Vh[: space.shape[0]]
+        self.on_plane = zero_tolerance(torch.linalg.norm(coords, dim=1), noise, MASK_RTOL)  # per row
+
+    def misfit_of(self, kept: Tensor) -> Callable[[Tensor], np.ndarray]:
+        """Each candidate image's (rows of ``xs``) next-layer input off that gradient's row space, relative."""
+
+        def misfit(xs: Tensor) -> np.ndarray:
+            h = _layer_inputs(self.model, self.module, xs.float().reshape(-1, *self.shape)) * kept[None]
+            off = h - (h @ self.basis.T) @ self.basis
+            return (torch.linalg.norm(off, dim=1) / torch.linalg.norm(h, dim=1).clamp_min(1e-300)).numpy()
+
+        return misfit
+
+    def sources(self, normals: Tensor) -> Tensor:
+        """(B, inputs): each image's direction, with dW = (coords @ normals^T) @ sources."""
+        return torch.linalg.solve(normals.T, self.space)
+
+    def images(self, normals: Tensor, which: list[int]) -> dict[int, _Image]:
+        coeffs = self.coords @ normals.T  # (outputs, B): a_b, each image's delta up to scale
+        sources = self.sources(normals)
+        scales = None
+        if self.bias_grad is not None:
+            scales = torch.linalg.lstsq(coeffs, self.bias_grad[:, None]).solution[:, 0]
+        out = {}
+        for i in which:
+            # a unit is dropped where its row lies on image i's hyperplane (relative to the row: a kept
+            # unit's delta can be tiny beside the largest)
+            kept = (coeffs[:, i].abs() > self.on_plane * torch.linalg.norm(normals[i])).double()
+            v = sources[i] / torch.linalg.norm(sources[i]).clamp_min(1e-300)
+            misfit = self.misfit_of(kept)
+            if scales is not None:
+                scale = float(torch.linalg.norm(sources[i]) / scales[i])
+                misfit_at = float(misfit((scale * v)[None])[0])
+            else:
+                typical = float(v.numel()) ** 0.5
+                scale, misfit_at = _best_scale(lambda cs, v=v, m=misfit: m(_outer(cs, v)), typical=typical)
+            out[i] = _Image(scale * v, misfit_at, misfit)
+        return out
+
+
+def _complete_the_missing(
+    mixture: _Mixture, solved: dict[int, _Image], normals: Tensor, missing: list[int], p: float
+) -> tuple[dict[int, _Image], Tensor, dict[str, Any]]:
+    """The images whose hyperplane was found, completed (``complete_by_smoothness`` gave the start; where
+    the next layer disagrees, a local search along the missing images' directions), and the normals of
+    all, the missing images' recovered where the others are exact."""
+    # A smoothness completion is a prior, not a proof: where the next layer disagrees, the image is
+    # searched along its free directions (the missing images') for the one it accepts.
+    free = mixture.sources(normals)[missing]
+    free = free / torch.linalg.norm(free, dim=1, keepdim=True)
+    solved = {i: _along_free_directions(im, free) if im.misfit_at > EXACT_RTOL else im for i, im in solved.items()}
+    completed = [i for i in solved if solved[i].misfit_at <= EXACT_RTOL]
+    space, coords = mixture.space, mixture.coords
+    rows = torch.zeros(len(normals), space.shape[1], dtype=space.dtype)
+    for i, im in solved.items():
+        rows[i] = im.row
+    rows[missing] = mixture.sources(normals)[missing]  # one missing: its functional follows from the others
+    normals = torch.linalg.inv(rows @ space.T).T
+    extra: dict[str, Any] = {"images_completed": completed}
+    if len(missing) > 1 and len(completed) == len(solved):
+        # Every other image exact: the missing ones' functionals lie in the m dimensions those leave free,
+        # where the rows without a missing image lie on a hyperplane again, now of m dimensions (a line
+        # at m = 2, which one row draws): found as before.
+        free_space = torch.linalg.svd(rows[completed] @ space.T, full_matrices=True).Vh[len(completed) :]
+        projected = coords @ free_space.T
+        # rows without any missing image project to the found images' rounding only: no direction to count
+        projected[torch.linalg.norm(projected, dim=1) < FAINT * torch.linalg.norm(coords, dim=1)] = 0
+        sub = refine_by_zeros(projected, normals[missing] @ free_space.T, p, mixture.noise)
+        extra["missing_separated"] = sub.found
+        if not sub.missing:
+            normals[missing] = sub.normals @ free_space
+    return solved, normals, extra
 
 
 @solver(
@@ -411,75 +511,16 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
             normals = torch.linalg.inv(completed @ space.T).T  # the completed images' functionals
     else:
         extra |= {"separated_by": "ica"}
-    basis = torch.linalg.svd(grads[nxt.weight], full_matrices=False).Vh[:b]  # the next input's row space
-    shape = found.input_shape
-    on_plane = zero_tolerance(torch.linalg.norm(coords, dim=1), noise, MASK_RTOL)  # per row
-
-    def misfit_of(kept: Tensor) -> Callable[[Tensor], np.ndarray]:
-        """Each candidate image's (rows of ``xs``) next-layer input off that gradient's row space, relative."""
-
-        def misfit(xs: Tensor) -> np.ndarray:
-            h = _layer_inputs(model, nxt.module, xs.float().reshape(-1, *shape)) * kept[None]
-            off = h - (h @ basis.T) @ basis
-            return (torch.linalg.norm(off, dim=1) / torch.linalg.norm(h, dim=1).clamp_min(1e-300)).numpy()
-
-        return misfit
-
-    def images_and_misfits(normals: Tensor, which: list[int]) -> dict[int, tuple[Tensor, float, Callable]]:
-        coeffs = coords @ normals.T  # (outputs, B): a_b, each image's delta up to scale
-        sources = torch.linalg.solve(normals.T, space)  # (B, inputs): dW = coeffs @ sources
-        scales = None
-        if layer.bias is not None:
-            scales = torch.linalg.lstsq(coeffs, grads[layer.bias][:, None]).solution[:, 0]
-        out = {}
-        for i in which:
-            # a unit is dropped where its row lies on image i's hyperplane (relative to the row: a kept
-            # unit's delta can be tiny beside the largest)
-            kept = (coeffs[:, i].abs() > on_plane * torch.linalg.norm(normals[i])).double()
-            v = sources[i] / torch.linalg.norm(sources[i]).clamp_min(1e-300)
-            misfit = misfit_of(kept)
-            if scales is not None:
-                scale = float(torch.linalg.norm(sources[i]) / scales[i])
-                misfit_at = float(misfit((scale * v)[None])[0])
-            else:
-                typical = float(v.numel()) ** 0.5
-                scale, misfit_at = _best_scale(lambda cs, v=v, m=misfit: m(_outer(cs, v)), typical=typical)
-            out[i] = (scale * v, misfit_at, misfit)
-        return out
-
-    solved = images_and_misfits(normals, [i for i in range(b) if i not in missing])
+    bias = grads[layer.bias] if layer.bias is not None else None
+    mixture = _Mixture(model, found, coords, space, grads[nxt.weight], bias, noise)
+    solved = mixture.images(normals, [i for i in range(b) if i not in missing])
     if missing:
-        # A smoothness completion is a prior, not a proof: where the next layer disagrees, the image is
-        # searched along its free directions (the missing images') for the one it accepts.
-        free = torch.linalg.solve(normals.T, space)[missing]
-        free = free / torch.linalg.norm(free, dim=1, keepdim=True)
-        for i, (x, misfit_at, misfit) in list(solved.items()):
-            if misfit_at > EXACT_RTOL:
-                solved[i] = _along_free_directions(x, free, misfit, misfit_at)
-        completed = [i for i in solved if solved[i][1] <= EXACT_RTOL]
-        rows = torch.stack([solved[i][0] if i in solved else torch.zeros_like(space[0]) for i in range(b)])
-        for k in missing:  # one missing: its functional follows from the others' images and its own direction
-            rows[k] = torch.linalg.solve(normals.T, space)[k]
-        normals = torch.linalg.inv(rows @ space.T).T
-        if len(missing) > 1 and len(completed) == len(solved):
-            # Every other image exact: the missing ones' functionals lie in the m dimensions those leave free,
-            # where the rows without a missing image lie on a hyperplane again, now of m dimensions (a line
-            # at m = 2, which one row draws): found as before.
-            free_space = torch.linalg.svd(rows[completed] @ space.T, full_matrices=True).Vh[len(completed) :]
-            projected = coords @ free_space.T
-            # rows without any missing image project to the found images' rounding only: no direction to count
-            faint = torch.linalg.norm(projected, dim=1) < FAINT * torch.linalg.norm(coords, dim=1)
-            projected[faint] = 0
-            sub = refine_by_zeros(projected, normals[missing] @ free_space.T, job.p, noise)
-            extra |= {"missing_separated": sub.found}
-            if not sub.missing:
-                normals[missing] = sub.normals @ free_space
-        solved |= images_and_misfits(normals, missing)
-        extra |= {"images_completed": completed}
-    rows_out = torch.stack([solved[i][0] for i in range(b)])
-    misfits = [solved[i][1] for i in range(b)]
-    images = images_from_rows(rows_out[:, None], layer.pixels, shape)
-    extra |= {"scale_from": "bias" if layer.bias is not None else "next layer", "scale_misfits": misfits}
+        solved, normals, more = _complete_the_missing(mixture, solved, normals, missing, job.p)
+        solved |= mixture.images(normals, missing)
+        extra |= more
+    misfits = [solved[i].misfit_at for i in range(b)]
+    images = images_from_rows(torch.stack([solved[i].row for i in range(b)])[:, None], layer.pixels, found.input_shape)
+    extra |= {"scale_from": "bias" if bias is not None else "next layer", "scale_misfits": misfits}
     return Solution(images, _rank(dw), b, max(misfits), extra)
 
 
