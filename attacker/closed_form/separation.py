@@ -203,6 +203,8 @@ def _least_absolute(d: Tensor, e: Tensor, steps: int = 200) -> Tensor:
     if e.shape[0] == 1:
         e0 = e[0]
         use = e0.abs() > 1e-12 * float(e0.abs().max().clamp_min(1e-300))
+        if not bool(use.any()):  # the other image is flat: adding it changes no edge, nothing to fit
+            return torch.zeros(1, dtype=d.dtype)
         points, weights = (-d[use] / e0[use]), e0[use].abs()
         order = torch.argsort(points)
         cum = torch.cumsum(weights[order], 0)

@@ -432,8 +432,7 @@ def _complete_the_missing(
     """The images whose hyperplane was found, completed (``complete_by_smoothness`` gave the start; where
     the next layer disagrees, a local search along the missing images' directions), and the normals of
     all, the missing images' recovered where the others are exact."""
-    # A smoothness completion is a prior, not a proof: where the next layer disagrees, the image is
-    # searched along its free directions (the missing images') for the one it accepts.
+    # smoothness is a prior, not a proof: the next layer has the last word
     free = mixture.sources(normals)[missing]
     free = free / torch.linalg.norm(free, dim=1, keepdim=True)
     solved = {i: _along_free_directions(im, free) if im.misfit_at > EXACT_RTOL else im for i, im in solved.items()}
