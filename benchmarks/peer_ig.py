@@ -79,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.peer} is not a ConvolutionalVariationalBottleneck checkout (no src/attacks.py)")
         return 2
     sys.path.insert(0, str(args.peer.resolve()))
-    from src.attacks import get_attack
-    from src.models.modelzoo import get_model
-    from src.utils import set_seeds
+    try:
+        from src.attacks import get_attack
+        from src.models.modelzoo import get_model
+        from src.utils import set_seeds
+    except ImportError as err:
+        hint = "pip install --target DEPS munch dill prettytable einops, then PYTHONPATH=DEPS:."
+        print(f"error: the peer's code needs {err.name or err}: {hint}")
+        return 2
 
     _, mean, std = DATASETS[args.dataset]
     inputs, targets = load_victim_file(paper_victims(args.dataset))
