@@ -489,11 +489,12 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     normals = torch.linalg.inv(unmixing.matrix @ dw @ space.T).T
     extra: dict[str, Any] = {"ica_steps": unmixing.steps, "ica_converged": unmixing.converged}
     missing: list[int] = []  # images whose hyperplane was not found, beside others whose was
-    noise = 0.0
+    # noise in the coordinates (a quantized SecAgg+ mean, DP): the first singular value past the
+    # images' B, as an m x n matrix of iid noise of std sigma has sigma (sqrt(m) + sqrt(n))
+    noise = float(svd.S[b] / (dw.shape[0] ** 0.5 + dw.shape[1] ** 0.5)) if svd.S.numel() > b else 0.0
+    bias = grads[layer.bias] if layer.bias is not None else None
+    mixture = _Mixture(model, found, coords, space, grads[nxt.weight], bias, noise)
     if job.p > 0:  # dropout's zeros pin each image down exactly (separation.refine_by_zeros)
-        # noise in the coordinates (a quantized SecAgg+ mean, DP): the first singular value past the
-        # images' B, as an m x n matrix of iid noise of std sigma has sigma (sqrt(m) + sqrt(n))
-        noise = float(svd.S[b] / (dw.shape[0] ** 0.5 + dw.shape[1] ** 0.5)) if svd.S.numel() > b else 0.0
         refined = refine_by_zeros(coords, normals, job.p, noise)
         normals = refined.normals
         extra |= {
@@ -504,14 +505,12 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
         }
         if refined.found and refined.missing:  # the found normals leave the others' images a few directions
             missing = refined.missing
-            sources = torch.linalg.solve(normals.T, space)
+            sources = mixture.sources(normals)
             laid_out = images_from_rows(sources[:, None], layer.pixels, found.input_shape, dtype=torch.float64)
             completed = complete_by_smoothness(laid_out, missing) @ sources
             normals = torch.linalg.inv(completed @ space.T).T  # the completed images' functionals
     else:
         extra |= {"separated_by": "ica"}
-    bias = grads[layer.bias] if layer.bias is not None else None
-    mixture = _Mixture(model, found, coords, space, grads[nxt.weight], bias, noise)
     solved = mixture.images(normals, [i for i in range(b) if i not in missing])
     if missing:
         solved, normals, more = _complete_the_missing(mixture, solved, normals, missing, job.p)
