@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     dep.set_defaults(func=cmd_deploy_local)
 
     caps = sub.add_parser("captures", help="list the captures of a run folder")
-    caps.add_argument("run_dir")
+    caps.add_argument("run_dir", help="a federated run folder (its captures/ is read)")
     caps.set_defaults(func=cmd_captures)
 
     vic = sub.add_parser("victims", help="fetch the paper's victim images (pinned SHA-256) into the data folder")

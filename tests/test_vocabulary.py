@@ -49,7 +49,7 @@ def test_attack_settings_shared_with_the_federation_have_its_names_and_defaults(
 
 
 def test_shared_flags_have_one_name_in_both_commands():
-    fed_flags, att_flags = _flags(fedsim_cli.build_parser()), _flags(attacker_cli._parser())
+    fed_flags, att_flags = _flags(fedsim_cli.build_parser()), _flags(attacker_cli.build_parser())
     for key in ("model", "dataset", "p", "victim-batch-size", "data-root", "labels"):
         assert f"--{key}" in fed_flags and f"--{key}" in att_flags, key
     assert "--batch-size" not in att_flags  # the training batch size is the federation's alone
