@@ -171,7 +171,7 @@ SCHEMA: tuple[Setting, ...] = (
         "model",
         "mlp",
         "model name (fedsim.models: mlp, vit, vit_b16, lenet, resnet18), or your own: module.path:factory "
-        "(a callable returning an nn.Module) or timm:NAME (docs/usage.md)",
+        "(a callable returning an nn.Module) or timm:NAME (docs/models.md)",
         group="model",
     ),
     Setting("dataset", "mnist", "dataset (mnist, cifar10, imagenet)", group="model"),
