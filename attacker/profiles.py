@@ -8,7 +8,7 @@ family's, is allowed where one setting cannot serve both datasets. Any family wi
 the profile's ``generic`` one. A user's ``attack_overrides`` win over the profile.
 
 * ``paper``: the paper's settings (TV 1e-5 for the MLP and ViT, 1e-2 for the CNNs).
-* ``strong`` (the default): settings chosen by measurement on the paper's victims (RESULTS.md says
+* ``strong`` (the default): settings chosen by measurement on the paper's victims (docs/results/profiles.md says
   which were measured, with their numbers); a family without a winning entry takes ``paper``'s. Where
   a job cannot take an entry (L-BFGS needs masks it does not have to learn: a one-step capture, B = 1),
   it takes ``paper``'s settings for its family (``RunConfig.for_model``).
@@ -45,7 +45,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "lenet": {"tv_weight": 1e-2},
         "resnet": {"tv_weight": 1e-2},
     },
-    # Measured entries only (RESULTS.md, "Attack settings per model family"); the rest falls back to paper.
+    # Measured entries only (docs/results/profiles.md); the rest falls back to paper.
     # LeNet: L-BFGS on the images (one job at a time, engine/lbfgs.py) with the masks read from the
     # gradient (mask_init analytical: exact for LeNet's dropout before its classifier at B = 1). At the
     # same 2,000 iterations it beat the multistep Adam schedule, the previous entry, in all four cells
@@ -64,7 +64,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 BASE_PROFILE = "paper"  # every other profile lies over it: a family it does not measure keeps the paper's settings
-DEFAULT_PROFILE = "strong"  # since its entries were measured on the re-run tables (RESULTS.md)
+DEFAULT_PROFILE = "strong"  # since its entries were measured on the re-run tables (docs/results/profiles.md)
 
 
 class ProfileError(ValueError):

@@ -1,12 +1,13 @@
-"""Redraw the frontier figures of RESULTS.md with the DP-SGD family beside the other defenses.
+"""Redraw the defenses frontier figures (docs/results/defenses.md) with the DP-SGD family beside them.
 
-The local-DP, central-DP and pruning rows come from RESULTS.md's defenses tables (their run folders,
+The local-DP, central-DP and pruning rows come from docs/results/defenses.md's tables (their run folders,
 runs/defenses-mlp and runs/defenses-lenet-4k, took 40 and 89 minutes and need not be kept), the DP-SGD
 family's from the dp_sgd experiment's results.csv; the figure is attacker.experiments.frontier's
 (one panel per p, each family joined from its own undefended cell, weakest level to strongest).
 
-usage: python benchmarks/frontier_figures.py RESULTS.md DPSGD_OUT_DIR MODEL OUT.png
-  e.g. python benchmarks/frontier_figures.py RESULTS.md runs/dpsgd-mlp mlp docs/results/defenses_frontier_mlp.png
+usage: python benchmarks/frontier_figures.py DEFENSES_MD DPSGD_OUT_DIR MODEL OUT.png
+  e.g. python benchmarks/frontier_figures.py docs/results/defenses.md runs/dpsgd-mlp mlp \
+           docs/results/defenses_frontier_mlp.png
 """
 
 import csv
@@ -69,7 +70,7 @@ def dpsgd_rows(out: Path, model: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    results_md, out, model, png = sys.argv[1:5]
+    results_md, out, model, png = sys.argv[1:5]  # results_md: docs/results/defenses.md
     rows = results_md_rows(Path(results_md).read_text(), model)
     if Path(out, "results.csv").is_file():
         rows += dpsgd_rows(Path(out), model)

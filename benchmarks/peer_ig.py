@@ -1,13 +1,14 @@
 """Run the authors' later attack code on the paper's victims and score it as the project scores its own.
 
-The peer comparison of RESULTS.md ("Table 2, ResNet-18"): Scheliga et al.'s later repository
+The peer comparison of docs/results/table2_resnet18.md: Scheliga et al.'s later repository
 (github.com/dAI-SY-Group/ConvolutionalVariationalBottleneck, "CVB") holds an Inverting Gradients attack
 and a ResNet-18 with GroupNorm(2), ``ResNet18GN``, the closest public code to the paper's ResNet cell.
 This script imports that code from a checkout the user names (it is not vendored: the comparison is
 with their code as they wrote it), builds their model under a given seed, runs their IG on the first
 ``--victims`` paper victims (loaded by the project's safe loader, so both sides see the same tensors),
 and scores each best-loss reconstruction with the project's ``image_metrics`` (paper space, [0,1],
-min-max SSIM). The project's side of the comparison is ``attacker run`` (the command is in RESULTS.md).
+min-max SSIM). The project's side of the comparison is ``attacker run`` (the command is in
+docs/results/table2_resnet18.md).
 
 Needs the peer's own dependencies beside the project's (munch, dill, prettytable, einops):
 ``pip install --target DEPS munch dill prettytable einops`` and ``PYTHONPATH=DEPS``.

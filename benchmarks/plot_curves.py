@@ -3,7 +3,7 @@
     python benchmarks/plot_curves.py --out FIG.png LABEL=RUN_DIR [LABEL=RUN_DIR ...]
 
 Each run folder's ``ssim_curves.csv`` (paper-space SSIM of the current iterate, every 100 iterations)
-and ``loss_curves.csv`` give one line per run: the mean over its jobs. Used for RESULTS.md's figure
+and ``loss_curves.csv`` give one line per run: the mean over its jobs. Used for docs/results/profiles.md's figure
 of the options tried on the ResNet, where the SSIM falls while the loss keeps falling.
 """
 

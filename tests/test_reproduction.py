@@ -1,5 +1,5 @@
-"""A pinned cell of RESULTS.md reproduces under the `paper` profile: the engine, the profile's
-settings and the scoring have not drifted. RESULTS.md, "Which SSIM the paper used": Table 1's MLP on
+"""A pinned cell of the results pages reproduces under the `paper` profile: the engine, the profile's
+settings and the scoring have not drifted. docs/results/ssim_spaces.md ("Which SSIM the paper used"): Table 1's MLP on
 MNIST, p = 0.25, IG (eval), 8 paper victims, cap 2,000 gave SSIM 0.396 / 0.380 / 0.379 (paper space /
 [0,1] / min-max)."""
 

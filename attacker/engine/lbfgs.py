@@ -8,7 +8,7 @@ their meaning) and to the box the images live in.
 
 Masks are not optimized here: they stay at their initialization (DIA's ``mask_init: analytical``
 recovers a B = 1 dropout next to a Linear exactly from the gradient, ``masks.analytical_masks``).
-Measured on LeNet (RESULTS.md): optimizing the masks jointly with L-BFGS loses, because the [0, 1]
+Measured on LeNet (docs/results/profiles.md): optimizing the masks jointly with L-BFGS loses, because the [0, 1]
 clamp on them breaks the curvature model the line search relies on.
 """
 
