@@ -45,6 +45,14 @@ CASES = {
     "torchvision_squeezenet": ("torchvision.models:squeezenet1_1", {"dropout": 0.25}, True),
     # nn.Hardsigmoid in its squeeze-excite gates (swapped for its exact equivalent), BatchNorm, head F.dropout
     "timm_mobilenetv3": ("timm:mobilenetv3_small_050", {}, True),
+    # one nn.Dropout run twice in a pass (on the input, then on the hidden features): a mask per call
+    "dropout_twice": ("tests.test_own_models:DropoutTwice", {}, True),
+    # timm's distilled DeiT runs its head_drop on both heads' tokens: two masks of one layer
+    "timm_deit_distilled": (
+        "timm:deit_tiny_distilled_patch16_224",
+        {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 48},
+        True,
+    ),
 }
 
 
@@ -54,6 +62,7 @@ def _trusted(monkeypatch: pytest.MonkeyPatch) -> None:
     variable is restored after each test, whatever a CLI call added to it."""
     names = [CNN, "torchvision.models:squeezenet1_1", "tests.test_own_models:OutOfOrder"]
     names += ["tests.test_own_models:InPlaceConv", "tests.test_own_models:FunctionalHardsigmoid"]
+    names += ["tests.test_own_models:DropoutTwice"]
     monkeypatch.setenv(TRUSTED_FACTORIES_ENV, ",".join(names))
 
 
@@ -116,6 +125,8 @@ class OwnDropPath(nn.Module):
 
 
 class DropoutTwice(nn.Module):
+    """Runs its one dropout layer twice in a pass: on the input (3072 features), then on the hidden (8)."""
+
     def __init__(self, num_classes: int = 10, p: float = 0.25) -> None:
         super().__init__()
         self.hidden, self.drop, self.fc = nn.Linear(3 * 32 * 32, 8), nn.Dropout(p), nn.Linear(8, num_classes)
@@ -206,6 +217,17 @@ def test_timm_resnet_functional_dropout_is_routed_and_batchnorm_stays_in_eval_mo
     assert not any(getattr(m, "inplace", False) for m in model.modules())  # in-place activations off
     # a model without dropout at p = 0 builds, with no mask to learn
     assert dropout_layers(_build("timm_resnet18", p=0.0)) == []
+
+
+def test_a_dropout_layer_run_twice_is_accepted_with_a_mask_per_call() -> None:
+    """Formerly refused: timm's distilled DeiT runs head_drop on its class and its distillation token."""
+    model = _build("timm_deit_distilled")
+    (head_drop,) = dropout_layers(model)
+    assert head_drop is model.net.head_drop
+    assert mask_shapes(model, torch.zeros(2, 3, 32, 32)) == [torch.Size([2, 48])] * 2
+    model = _build("dropout_twice")
+    assert len(dropout_layers(model)) == 1
+    assert mask_shapes(model, torch.zeros(2, 3, 32, 32)) == [torch.Size([2, 3 * 32 * 32]), torch.Size([2, 8])]
 
 
 def test_masks_come_in_forward_order_whatever_the_registration_order() -> None:
@@ -418,7 +440,6 @@ def test_attacker_run_on_the_example_cnn(tmp_path: Path, capsys: pytest.CaptureF
         ("tests.test_own_models:OwnDropPath", None, "a random draw (bernoulli_) outside dropout and timm's DropPath"),
         ("timm:resnet18", '{"pretrained": true}', "are set by the run"),
         ("tests.test_own_models:TrainModeBatchNorm", None, "train-mode BatchNorm"),
-        ("tests.test_own_models:DropoutTwice", None, "dropout layer drop of tests.test_own_models:DropoutTwice runs"),
         ("torchvision.models:squeezenet1_1", None, "has p = 0.5, the run's p is 0.25"),
         (CNN, '{"p": 0.5}', "come from the run"),
         (CNN, "{width: 3}", "model-options must be a JSON object"),
