@@ -8,6 +8,7 @@ attacker and the federation run on the example CNN, and bad models are one line,
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -538,3 +539,27 @@ def test_trust_is_asked_on_every_check_not_cached(monkeypatch: pytest.MonkeyPatc
     assert "name it yourself with --model tests.test_own_models:wrong_classes" in (check_callable(spec) or "")
     trust_factory(spec.name)
     assert "returns shape (2, 7) for 2 images" in (check_callable(spec) or "")
+
+
+def test_wiig_objective_is_zero_at_the_truth_on_the_distilled_deit() -> None:
+    """The client's two head_drop masks, replayed at their calls by WIIG's engine, give the captured
+    gradient itself: its gradient distance at the true image is 0 (float rounding), and it is not
+    with the two masks swapped or with dropout off."""
+    from attacker.attacks import make_attack
+    from attacker.engine.inversion import InversionModule
+    from attacker.jobs import jobs_from_images
+
+    spec = _build("timm_deit_distilled").spec
+    g = torch.Generator().manual_seed(0)
+    jobs, oracles = jobs_from_images(spec, [(torch.rand(1, 3, 32, 32, generator=g), torch.tensor([3]))])
+    assert len(oracles[0].masks) == 2 and not torch.equal(*oracles[0].masks)
+    module = InversionModule(jobs, [make_attack("wiig", tv_weight=0.0)], oracles)
+    with torch.no_grad():
+        module.unknowns.image_stack.copy_(oracles[0].images.unsqueeze(0))
+    at_truth = float(module.job_losses([0])[0].detach())
+    assert at_truth < 1e-6, at_truth
+    for masks in (oracles[0].masks[::-1], tuple(torch.full_like(m, 0.75) for m in oracles[0].masks)):
+        other = InversionModule(jobs, [make_attack("wiig", tv_weight=0.0)], [replace(oracles[0], masks=masks)])
+        with torch.no_grad():
+            other.unknowns.image_stack.copy_(oracles[0].images.unsqueeze(0))
+        assert float(other.job_losses([0])[0].detach()) > 1e-3
