@@ -74,7 +74,7 @@ class VictimJob:
 @dataclass(frozen=True)
 class Oracle:
     """Ground truth of one job: the client's images and the dropout masks of its steps (step-major,
-    forward order within a step)."""
+    one per dropout call in call order within a step)."""
 
     images: Tensor
     masks: tuple[Tensor, ...]

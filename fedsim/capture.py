@@ -156,7 +156,7 @@ class OracleRecord:
 
     images: torch.Tensor
     labels: torch.Tensor
-    masks: list[torch.Tensor]  # every local step's masks, step-major, ``dropout_layers`` (forward) order within
+    masks: list[torch.Tensor]  # every local step's masks, step-major, one per dropout call (call order) within
     round: int
     client: int
     node_id: int

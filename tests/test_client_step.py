@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsim.client_step import (
@@ -20,7 +21,7 @@ from fedsim.client_step import (
     one_step_plan,
     run_local_round,
 )
-from fedsim.models import ModelSpec, build_model, get_recorded_masks, set_dropout_mode
+from fedsim.models import MaskedDropout, ModelSpec, build_model, get_recorded_masks, set_dropout_mode
 
 
 def _reference_one_step(model, images, labels, lr, seed):
@@ -127,6 +128,29 @@ def test_replaying_the_recorded_masks_reproduces_the_round():
     assert all(torch.equal(replayed.weights[k], v) for k, v in sampled.weights.items())
     off = run_local_round(build_model(spec), data, LocalPlan(plan.schedule, plan.optimizer, dropout="off", seed=2))
     assert any(not torch.equal(off.update[k], v) for k, v in sampled.update.items())  # dropout did act
+
+
+def _reused_dropout() -> torch.nn.Module:
+    """One dropout placed twice (after each hidden layer): two masks a step, one per call."""
+    torch.manual_seed(0)
+    drop = MaskedDropout(0.5)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), drop, nn.Linear(16, 16), nn.ReLU(), drop, nn.Linear(16, 10)
+    )
+
+
+def test_a_dropout_run_twice_records_two_masks_a_step_and_their_replay_reproduces_the_round():
+    data = _data(8)
+    plan = LocalPlan(Schedule(epochs=1, batch_size=2), OptimizerSpec("adam", 1e-3), seed=2)
+    sampled = run_local_round(_reused_dropout(), data, plan)
+    masks = [s.masks for s in sampled.steps]
+    assert all(len(m) == 2 and not torch.equal(m[0], m[1]) for m in masks)
+    replay = dataclasses.replace(plan, dropout="replay", masks=masks)
+    replayed = run_local_round(_reused_dropout(), data, replay)
+    assert all(torch.equal(replayed.weights[k], v) for k, v in sampled.weights.items())
+    swapped = dataclasses.replace(replay, masks=[m[::-1] for m in masks])  # the calls' masks in the other order
+    other = run_local_round(_reused_dropout(), data, swapped)
+    assert any(not torch.equal(other.weights[k], v) for k, v in sampled.weights.items())
 
 
 def test_differentiable_round_passes_gradients_to_images_and_learned_masks():

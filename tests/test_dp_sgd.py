@@ -23,7 +23,15 @@ from torch.utils.data import TensorDataset
 from fedsim import dp_sgd, task
 from fedsim.client_app import handle_train
 from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, run_local_round
-from fedsim.models import DropoutMode, MaskedDropout, ModelSpec, build_model, set_dropout_mode
+from fedsim.models import (
+    DropoutMode,
+    MaskedDropout,
+    ModelSpec,
+    build_model,
+    get_recorded_masks,
+    set_dropout_mode,
+    set_masks,
+)
 from fedsim.run_config import RunConfigError, resolve_config
 from fedsim.strategy import CuriousFedAvg
 
@@ -54,13 +62,13 @@ def test_masked_dropout_per_example_gradients_are_exact() -> None:
     set_dropout_mode(model, DropoutMode.RECORD)
     gsm = GradSampleModule(model, batch_first=True, loss_reduction="sum")
     F.cross_entropy(gsm(x), y, reduction="sum").backward()
-    mask = model[2].recorded
+    (mask,) = get_recorded_masks(model)
     assert mask is not None and 0 < float(mask.mean()) < 1  # some units dropped, per example
     per_example = [p.grad_sample.clone() for p in model.parameters()]
     gsm.remove_hooks()
     set_dropout_mode(model, DropoutMode.REPLAY)
     for i in range(len(y)):
-        model[2].mask = mask[i : i + 1]
+        set_masks(model, [mask[i : i + 1]])
         alone = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
         for sample, grad in zip(per_example, alone, strict=True):
             torch.testing.assert_close(sample[i], grad, rtol=1e-5, atol=1e-7)

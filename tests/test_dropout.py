@@ -10,9 +10,11 @@ from fedsim.models import (
     build_model,
     dropout_layers,
     get_recorded_masks,
+    mask_shapes,
     set_dropout_mode,
     set_masks,
 )
+from fedsim.models.dropout import call_layers, mask_rates
 
 
 def _grads(model, x, y):
@@ -116,7 +118,7 @@ def test_sample_mode_scales_by_inverse_keep_probability(train_mode):
 def test_replay_scales_like_sample():
     layer = MaskedDropout(0.5)
     layer.mode = DropoutMode.REPLAY
-    layer.mask = torch.tensor([1.0, 0.0, 1.0])
+    set_masks(layer, [torch.tensor([1.0, 0.0, 1.0])])  # a layer alone is a model of one dropout call
     assert torch.equal(layer(torch.tensor([1.0, 2.0, 3.0])), torch.tensor([2.0, 0.0, 6.0]))
 
 
@@ -125,7 +127,7 @@ def test_mask_errors_are_clear():
     layer.mode = DropoutMode.REPLAY
     with pytest.raises(RuntimeError, match="no mask"):
         layer(torch.ones(3))
-    layer.mask = torch.ones(4)
+    set_masks(layer, [torch.ones(4)])
     with pytest.raises(ValueError, match="does not match"):
         layer(torch.ones(3))
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
@@ -147,3 +149,68 @@ def test_layer_order_is_forward_order_for_vit():
         "blocks.1.attn.attn_drop",
     ]
     assert len(dropout_layers(model)) == 1 + 4 * 4
+
+
+# -- a layer called more than once per pass: one mask per call, in call order -----------------------
+
+
+class Reused(nn.Module):
+    """Runs ``drop`` twice, with ``other`` between its two calls: three masks, (B, 6), (B, 5), (B, 4)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.drop, self.other = MaskedDropout(p), MaskedDropout(p)
+        self.a, self.b, self.c = nn.Linear(6, 5), nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(self.drop(x)))
+        h = torch.tanh(self.b(self.other(h)))
+        return self.c(self.drop(h))
+
+
+def test_a_layer_run_twice_records_and_replays_a_mask_per_call_in_call_order():
+    torch.manual_seed(0)
+    model = Reused()
+    x, y = torch.randn(3, 6), torch.tensor([0, 2, 1])
+    assert dropout_layers(model) == [model.drop, model.other]
+    assert mask_shapes(model, x) == [torch.Size([3, 6]), torch.Size([3, 5]), torch.Size([3, 4])]
+    assert call_layers(model) == [model.drop, model.other, model.drop]
+    assert mask_rates(model, 0.5, 6) == [0.5] * 6
+    set_dropout_mode(model, "record")
+    out = model(x)
+    grads = _grads_from(model, out, y)
+    masks = get_recorded_masks(model)
+    assert [m.shape for m in masks] == mask_shapes(model, x)
+    assert all(0 < float(m.mean()) < 1 for m in masks)  # each call drew its own mask
+    set_masks(model, masks)
+    set_dropout_mode(model, "replay")
+    for _ in range(2):  # the next pass starts again at the first call
+        again = model(x)
+        assert torch.equal(again, out)
+        for a, b in zip(grads, _grads_from(model, again, y), strict=True):
+            assert torch.equal(a, b)
+    # the same masks in another order do not fit the calls: refused, not silently reused
+    set_masks(model, masks[::-1])
+    with pytest.raises(ValueError, match=r"does not match .*dropout call 1"):
+        model(x)
+    with pytest.raises(ValueError, match="makes 3 dropout calls per pass, got 2 masks"):
+        set_masks(model, masks[:2])
+
+
+def test_a_layer_run_twice_learns_a_mask_per_call_equal_to_replay():
+    torch.manual_seed(1)
+    model = Reused()
+    x, y = torch.randn(2, 6), torch.tensor([1, 0])
+    set_dropout_mode(model, "record")
+    model(x)
+    masks = get_recorded_masks(model)
+    set_masks(model, masks)
+    set_dropout_mode(model, "replay")
+    replayed = model(x)
+    learned = [m.clone().requires_grad_(True) for m in masks]
+    set_masks(model, learned)
+    set_dropout_mode(model, "learn")
+    out = model(x)
+    assert torch.equal(out, replayed)
+    grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), learned)
+    assert all(float(g.abs().sum()) > 0 for g in grads)  # both calls of ``drop`` reach their own mask

@@ -7,7 +7,7 @@ import torch
 from attacker.attacks import AttackConfigError, make_attack
 from attacker.engine.gradients import PerJobGradients, autograd_terms
 from attacker.engine.inversion import InversionModule
-from attacker.engine.masks import analytical_masks
+from attacker.engine.masks import analytical_masks, analytical_rules
 from attacker.engine.runner import EpochCheckpoint, run_jobs
 from attacker.jobs import VictimJob, jobs_from_images
 from attacker.labels import recover_labels
@@ -210,6 +210,30 @@ def test_analytical_masks_recover_true_masks_for_mlp(mnist_like):
     masks = analytical_masks(model, jobs[0].gradient, shapes, 0.25)
     for got, true in zip(masks, oracles[0].masks):
         assert torch.equal(got, true)
+
+
+class _OnceAndTwice(torch.nn.Module):
+    """``once`` runs after ``a`` (a row rule); ``twice`` runs after ``b`` twice in a row: two masks."""
+
+    def __init__(self, calls: int = 2) -> None:
+        super().__init__()
+        self.calls = calls
+        self.a, self.once = torch.nn.Linear(6, 5), MaskedDropout(0.25)
+        self.b, self.twice, self.c = torch.nn.Linear(5, 4), MaskedDropout(0.25), torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.once(self.a(x)))
+        for _ in range(self.calls):
+            h = self.twice(h)
+        return self.c(h)
+
+
+def test_analytical_rules_are_one_per_call_and_none_for_a_layer_run_twice():
+    x = torch.zeros(1, 6)
+    single = _OnceAndTwice(calls=1)
+    assert analytical_rules(single, mask_shapes(single, x)) == [("row", "a.weight"), ("row", "b.weight")]
+    model = _OnceAndTwice()  # where the second call's zeros show in b's gradient, its neighbours cannot say
+    assert analytical_rules(model, mask_shapes(model, x)) == [("row", "a.weight"), None, None]
 
 
 @pytest.mark.parametrize("model", ["lenet", "resnet18"])

@@ -5,8 +5,9 @@ Per job, its loss terms (<g_j, g*_j> and ||g_j||^2 per parameter) and their grad
 images and DIA's masks equal plain autograd on that job alone, on: the example CNN, a model holding
 every kind of layer the hybrid treats (eval BatchNorm, depthwise and reflect-padded convolutions,
 PReLU, InstanceNorm, a layer scale, a parameter read outside its layer, a layer run twice, an output
-changed in place), timm's resnet18 (its functional dropout routed) and a timm ViT (its cls token and
-position embedding read by its forward), and torchvision's mobilenet_v2 (depthwise convolutions,
+changed in place), timm's resnet18 (its functional dropout routed), a timm ViT (its cls token and
+position embedding read by its forward), timm's distilled DeiT (one dropout layer run twice a pass,
+a learned mask per call), and torchvision's mobilenet_v2 (depthwise convolutions,
 BatchNorm, ReLU6; its mobilenet_v3 is refused by fedsim.models.own: hardsigmoid has no second
 derivative in torch)."""
 
@@ -32,6 +33,11 @@ CASES = {
     "timm_resnet18": ("timm:resnet18", {}),
     "timm_vit": ("timm:vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 48}),
     "mobilenet_v2": (MOBILENET, {"dropout": 0.25, "width_mult": 0.25}),
+    # its head_drop runs twice in a pass (class and distillation token): two masks of one layer
+    "timm_deit_distilled": (
+        "timm:deit_tiny_distilled_patch16_224",
+        {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 48},
+    ),
 }
 
 

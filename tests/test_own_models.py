@@ -8,6 +8,7 @@ attacker and the federation run on the example CNN, and bad models are one line,
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,14 @@ CASES = {
     "torchvision_squeezenet": ("torchvision.models:squeezenet1_1", {"dropout": 0.25}, True),
     # nn.Hardsigmoid in its squeeze-excite gates (swapped for its exact equivalent), BatchNorm, head F.dropout
     "timm_mobilenetv3": ("timm:mobilenetv3_small_050", {}, True),
+    # one nn.Dropout run twice in a pass (on the input, then on the hidden features): a mask per call
+    "dropout_twice": ("tests.test_own_models:DropoutTwice", {}, True),
+    # timm's distilled DeiT runs its head_drop on both heads' tokens: two masks of one layer
+    "timm_deit_distilled": (
+        "timm:deit_tiny_distilled_patch16_224",
+        {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 48},
+        True,
+    ),
 }
 
 
@@ -54,6 +63,7 @@ def _trusted(monkeypatch: pytest.MonkeyPatch) -> None:
     variable is restored after each test, whatever a CLI call added to it."""
     names = [CNN, "torchvision.models:squeezenet1_1", "tests.test_own_models:OutOfOrder"]
     names += ["tests.test_own_models:InPlaceConv", "tests.test_own_models:FunctionalHardsigmoid"]
+    names += ["tests.test_own_models:DropoutTwice"]
     monkeypatch.setenv(TRUSTED_FACTORIES_ENV, ",".join(names))
 
 
@@ -116,6 +126,8 @@ class OwnDropPath(nn.Module):
 
 
 class DropoutTwice(nn.Module):
+    """Runs its one dropout layer twice in a pass: on the input (3072 features), then on the hidden (8)."""
+
     def __init__(self, num_classes: int = 10, p: float = 0.25) -> None:
         super().__init__()
         self.hidden, self.drop, self.fc = nn.Linear(3 * 32 * 32, 8), nn.Dropout(p), nn.Linear(8, num_classes)
@@ -206,6 +218,17 @@ def test_timm_resnet_functional_dropout_is_routed_and_batchnorm_stays_in_eval_mo
     assert not any(getattr(m, "inplace", False) for m in model.modules())  # in-place activations off
     # a model without dropout at p = 0 builds, with no mask to learn
     assert dropout_layers(_build("timm_resnet18", p=0.0)) == []
+
+
+def test_a_dropout_layer_run_twice_is_accepted_with_a_mask_per_call() -> None:
+    """Formerly refused: timm's distilled DeiT runs head_drop on its class and its distillation token."""
+    model = _build("timm_deit_distilled")
+    (head_drop,) = dropout_layers(model)
+    assert head_drop is model.net.head_drop
+    assert mask_shapes(model, torch.zeros(2, 3, 32, 32)) == [torch.Size([2, 48])] * 2
+    model = _build("dropout_twice")
+    assert len(dropout_layers(model)) == 1
+    assert mask_shapes(model, torch.zeros(2, 3, 32, 32)) == [torch.Size([2, 3 * 32 * 32]), torch.Size([2, 8])]
 
 
 def test_masks_come_in_forward_order_whatever_the_registration_order() -> None:
@@ -418,7 +441,6 @@ def test_attacker_run_on_the_example_cnn(tmp_path: Path, capsys: pytest.CaptureF
         ("tests.test_own_models:OwnDropPath", None, "a random draw (bernoulli_) outside dropout and timm's DropPath"),
         ("timm:resnet18", '{"pretrained": true}', "are set by the run"),
         ("tests.test_own_models:TrainModeBatchNorm", None, "train-mode BatchNorm"),
-        ("tests.test_own_models:DropoutTwice", None, "dropout layer drop of tests.test_own_models:DropoutTwice runs"),
         ("torchvision.models:squeezenet1_1", None, "has p = 0.5, the run's p is 0.25"),
         (CNN, '{"p": 0.5}', "come from the run"),
         (CNN, "{width: 3}", "model-options must be a JSON object"),
@@ -517,3 +539,27 @@ def test_trust_is_asked_on_every_check_not_cached(monkeypatch: pytest.MonkeyPatc
     assert "name it yourself with --model tests.test_own_models:wrong_classes" in (check_callable(spec) or "")
     trust_factory(spec.name)
     assert "returns shape (2, 7) for 2 images" in (check_callable(spec) or "")
+
+
+def test_wiig_objective_is_zero_at_the_truth_on_the_distilled_deit() -> None:
+    """The client's two head_drop masks, replayed at their calls by WIIG's engine, give the captured
+    gradient itself: its gradient distance at the true image is 0 (float rounding), and it is not
+    with the two masks swapped or with dropout off."""
+    from attacker.attacks import make_attack
+    from attacker.engine.inversion import InversionModule
+    from attacker.jobs import jobs_from_images
+
+    spec = _build("timm_deit_distilled").spec
+    g = torch.Generator().manual_seed(0)
+    jobs, oracles = jobs_from_images(spec, [(torch.rand(1, 3, 32, 32, generator=g), torch.tensor([3]))])
+    assert len(oracles[0].masks) == 2 and not torch.equal(*oracles[0].masks)
+    module = InversionModule(jobs, [make_attack("wiig", tv_weight=0.0)], oracles)
+    with torch.no_grad():
+        module.unknowns.image_stack.copy_(oracles[0].images.unsqueeze(0))
+    at_truth = float(module.job_losses([0])[0].detach())
+    assert at_truth < 1e-6, at_truth
+    for masks in (oracles[0].masks[::-1], tuple(torch.full_like(m, 0.75) for m in oracles[0].masks)):
+        other = InversionModule(jobs, [make_attack("wiig", tv_weight=0.0)], [replace(oracles[0], masks=masks)])
+        with torch.no_grad():
+            other.unknowns.image_stack.copy_(oracles[0].images.unsqueeze(0))
+        assert float(other.job_losses([0])[0].detach()) > 1e-3

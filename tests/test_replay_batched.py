@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import TensorDataset
 
 from attacker.engine import replay_lowrank
@@ -17,7 +18,7 @@ from attacker.engine.replay_lowrank import (
     one_job_loop,
 )
 from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule, run_local_round
-from fedsim.models import build_model
+from fedsim.models import MaskedDropout, build_model
 
 WIDTH, V = 24, 3
 
@@ -136,6 +137,11 @@ def test_the_dispatch_refuses_what_it_cannot_batch():
     assert not batched_replay_applies(model, plan, images, [job[:3] for job in masks])
     narrow = [[[m[:, :1] for m in step] for step in job] for job in masks]  # would broadcast if concatenated
     assert not batched_replay_applies(model, plan, images, narrow)
+    # one dropout placed twice in a Sequential: children() lists it once, so the chain would miss a call
+    drop = MaskedDropout(0.25)
+    twice = nn.Sequential(nn.Flatten(), nn.Linear(784, 8), drop, nn.Linear(8, 8), drop, nn.Linear(8, 10))
+    assert linear_chain(twice) is None
+    assert linear_chain(nn.Sequential(*[m if m is not drop else MaskedDropout(0.25) for m in twice])) is not None
 
 
 def test_bench_prints_the_fedavg_rows(capsys):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from fedsim.models import MaskedDropout
+from fedsim.models.dropout import call_layers
 
 MASK_INITS = ("bernoulli", "normal_keep", "normal_half", "analytical")
 
@@ -38,10 +39,16 @@ def analytical_rules(model: nn.Module, shapes: list[torch.Size]) -> list[tuple[s
       δᵀ(m ⊙ h), so a feature was dropped iff its COLUMN is all zero (or its input was 0, where the mask
       does not matter);
 
-    None where neither applies (and at B > 1, where a zero needs every image's mask to be 0)."""
+    None where neither applies (and at B > 1, where a zero needs every image's mask to be 0), and for
+    every call of a layer that runs more than once in a pass. One entry per mask: per dropout call,
+    in call order (``shapes`` is ``mask_shapes``)."""
     weights = {n: tuple(w.shape) for n, w in model.named_parameters()}
     leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
-    rules: list[tuple[str, str] | None] = []
+    calls = call_layers(model)
+    if len(calls) != len(shapes):  # not one pass's masks: no call can be paired with its layer
+        return [None] * len(shapes)
+    shape_of = {id(m): tuple(s) for m, s in zip(calls, shapes)}
+    rule_of: dict[int, tuple[str, str] | None] = {}
     last_linear: str | None = None
     for k, (name, module) in enumerate(leaves):
         if isinstance(module, nn.Linear):
@@ -49,19 +56,20 @@ def analytical_rules(model: nn.Module, shapes: list[torch.Size]) -> list[tuple[s
             continue
         if not isinstance(module, MaskedDropout):
             continue
-        shape = tuple(shapes[len(rules)])
+        shape = shape_of.get(id(module), ())
         following = leaves[k + 1] if k + 1 < len(leaves) else None
         after = f"{last_linear}.weight" if last_linear is not None else None
         before = f"{following[0]}.weight" if following and isinstance(following[1], nn.Linear) else None
         last_linear = None  # a mask only follows the Linear right before it
         single = len(shape) == 2 and shape[0] == 1
+        rule: tuple[str, str] | None = None
         if single and after in weights and weights[after][0] == shape[1]:
-            rules.append(("row", after))
+            rule = ("row", after)
         elif single and before in weights and weights[before][1] == shape[1]:
-            rules.append(("column", before))
-        else:
-            rules.append(None)
-    return rules
+            rule = ("column", before)
+        rule_of[id(module)] = rule
+    # a layer run twice: its neighbours in the model say nothing of where each call's mask shows
+    return [rule_of.get(id(m)) if calls.count(m) == 1 else None for m in calls]
 
 
 def analytical_masks(

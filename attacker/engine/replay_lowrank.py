@@ -61,15 +61,15 @@ def linear_chain(model: nn.Module) -> list[nn.Module] | None:
     MLP or an nn.Sequential of Linear, the project's dropout, Flatten and row-wise activations, every
     parameter in a Linear), else None."""
     if type(model) is MLP:
-        root: nn.Module = model.net
+        root: nn.Sequential = model.net
     elif type(model) is nn.Sequential:
         root = model
     else:
         return None  # an unknown forward: its layer order cannot be trusted
     chain: list[nn.Module] = []
 
-    def walk(seq: nn.Module) -> bool:
-        for m in seq.children():
+    def walk(seq: nn.Sequential) -> bool:
+        for m in seq:  # as its forward runs them: a module placed twice comes twice (children() once)
             if type(m) is nn.Sequential:
                 if not walk(m):
                     return False
@@ -81,7 +81,7 @@ def linear_chain(model: nn.Module) -> list[nn.Module] | None:
                 return False
         return True
 
-    if not walk(root):
+    if not walk(root) or len({id(m) for m in chain}) != len(chain):  # a layer run twice: not this chain
         return None
     owned = {id(p) for m in chain if isinstance(m, nn.Linear) for p in m.parameters()}
     if any(id(p) not in owned for p in model.parameters()):

@@ -35,7 +35,8 @@ def job_seed(job: VictimJob, attack: AttackConfig, seed: int) -> int:
 class Unknowns(nn.Module):
     """The stacked dummies and masks, their Adam moments and best iterates, and the step that moves
     them. ``mask_slots[j][layer]`` says where job j's masks of a layer are: ("learn", row of the
-    layer's learned stack), ("const", row of its constant stack) or ("random", -1)."""
+    layer's learned stack), ("const", row of its constant stack) or ("random", -1). A "layer" here is
+    one mask of a pass, ``mask_shapes`` order: one per dropout call, so a layer run twice has two."""
 
     def __init__(
         self,

@@ -18,7 +18,9 @@ What ``adapt`` does to the model, once per build:
   second mask, one keep-or-drop per image (shape (B, 1, ..., 1)), sampled and recorded by the client,
   replayed by WIIG and learned by DIA like a dropout mask, with its own rate (timm spreads
   ``drop_path_rate`` linearly over the blocks) where the run's p is the dropout's;
-* the dropout layers are listed in the order one forward pass runs them (``routing.OwnModel``);
+* the dropout layers are listed in the order one forward pass first runs them (``routing.OwnModel``);
+  a layer that runs more than once in a pass (timm's distilled DeiT runs ``head_drop`` on both
+  heads' tokens) gets a mask per call, in call order, as every model does (``fedsim.models.dropout``);
 * in-place activations and fused attention are switched off: the attack keeps layer outputs that an
   in-place op would overwrite, and differentiates the model's gradient a second time, which fused
   attention (``F.scaled_dot_product_attention``'s CPU kernel) does not support; any other in-place
@@ -41,7 +43,7 @@ What ``adapt`` does to the model, once per build:
 
 What it refuses, in one line naming the model or the layer (``ModelSpecError``): a factory that cannot
 be imported or raises, an unknown timm name, an output that is not (batch, classes) logits, a dropout
-whose rate is not the run's p, a dropout layer that runs twice in one pass, functional dropout it
+whose rate is not the run's p, functional dropout it
 cannot route (in place, channel-wise, alpha, inside attention), any other random draw in ``forward``
 (a hand-written stochastic depth, torchvision's "batch" mode, a timm ``DropPath`` without
 ``scale_by_keep``: a mask the attack cannot record or replay), train-mode BatchNorm unless

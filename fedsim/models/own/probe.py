@@ -189,28 +189,25 @@ def adapt(net: Any, spec: ModelSpec, input_shape: tuple[int, int, int], classes:
         pin_batchnorm(net)
     events, exact_calls = _probe(net, spec, input_shape, classes)
     names = {id(m): n for n, m in net.named_modules()}
-    runs: dict[int, int] = {}
-    for event in events:
-        if isinstance(event, MaskedDropout):
-            runs[id(event)] = runs.get(id(event), 0) + 1
-            name = names[id(event)]
-            if runs[id(event)] == 2:
-                raise ModelSpecError(
-                    f"dropout layer {name} of {spec.name} runs more than once in one forward pass: each run needs "
-                    "a mask of its own, so give each place its own nn.Dropout"
-                )
-            if event.p != spec.p and not isinstance(event, MaskedDropPath):  # one the model brought itself
-                raise ModelSpecError(f"dropout layer {name} of {spec.name} has p = {event.p}, the run's p is {spec.p}")
-    for swap in swaps:
-        if id(swap.layer) not in runs:  # never runs: the original is left in place, and no mask is made for it
-            swap.undo()
-    layers: list[MaskedDropout] = []
+    ran: set[int] = set()
+    layers: list[MaskedDropout] = []  # each layer once, at its first run (a layer run k times has k masks)
     functional: list[int] = []
     for event in events:
-        if isinstance(event, str):
+        if isinstance(event, str):  # a functional call: a layer of its own, run once
             functional.append(len(layers))
-            event = MaskedDropout(spec.p)
+            layers.append(MaskedDropout(spec.p))
+            continue
+        if id(event) in ran:
+            continue
+        ran.add(id(event))
+        if event.p != spec.p and not isinstance(event, MaskedDropPath):  # one the model brought itself
+            raise ModelSpecError(
+                f"dropout layer {names[id(event)]} of {spec.name} has p = {event.p}, the run's p is {spec.p}"
+            )
         layers.append(event)
+    for swap in swaps:
+        if id(swap.layer) not in ran:  # never runs: the original is left in place, and no mask is made for it
+            swap.undo()
     if spec.p > 0 and all(isinstance(layer, MaskedDropPath) for layer in layers):
         raise ModelSpecError(
             f"model {spec.name} runs no dropout (nn.Dropout or F.dropout with p > 0) although p = {spec.p}: give "

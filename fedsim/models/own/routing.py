@@ -87,12 +87,13 @@ def pin_batchnorm(net: nn.Module) -> None:
 class OwnModel(nn.Module):
     """A user's model (``net``) with its dropout routed through ``MaskedDropout`` layers.
 
-    ``dropout`` holds every dropout layer in forward order and is registered before ``net``:
-    ``modules()`` yields a module once, at its first place, so ``dropout_layers`` (which lists the
-    layers in ``modules()`` order) gives the forward order even where ``net`` registers its layers in
-    another order. The swapped ``nn.Dropout`` layers also sit at their own places in ``net``; the
-    functional slots (``functional``: their indices in ``dropout``) live here only. ``exact_calls``:
-    its forward calls an activation of ``EXACT_CALLS`` functionally, which is routed while it runs."""
+    ``dropout`` holds every dropout layer in the order a forward pass first runs it and is registered
+    before ``net``: ``modules()`` yields a module once, at its first place, so ``dropout_layers`` (which
+    lists the layers in ``modules()`` order) gives the forward order even where ``net`` registers its
+    layers in another order (the masks themselves come per call, in call order: ``fedsim.models.dropout``).
+    The swapped ``nn.Dropout`` layers also sit at their own places in ``net``; the functional slots
+    (``functional``: their indices in ``dropout``) live here only. ``exact_calls``: its forward calls
+    an activation of ``EXACT_CALLS`` functionally, which is routed while it runs."""
 
     def __init__(
         self,
