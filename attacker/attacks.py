@@ -147,6 +147,9 @@ PRESETS: dict[str, AttackConfig] = {
     "dia_april": AttackConfig("dia_april", masks="learn", distance="euclidean", lambda_pos=1e-4),
     # FedAvg updates: DIA on Δ/(lr·K) taken as one gradient, the cheap baseline next to the replay
     "dia_onestep": AttackConfig("dia_onestep", masks="learn", replay=False),
+    # DIA started from a closed form's answer, exact or partial (a batch's separation put in the labels'
+    # order): where the closed form leaves images unresolved, the optimization goes on from there
+    "dia_cf": AttackConfig("dia_cf", masks="learn", image_init="closed_form"),
 }
 ALIASES = {"ig": "ig_eval", "dia-april": "dia_april", "ig-eval": "ig_eval", "ig-train": "ig_train"}
 

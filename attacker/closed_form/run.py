@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from fedsim.data import box_bounds, get_spec
 
 from ..jobs import JobResult, VictimJob, model_from_job
-from .solvers import SOLVERS, NotApplicable, Solution
+from .solvers import SOLVERS, NotApplicable, Solution, label_order
 
 SOLVED, SOLVED_INEXACT = "solved", "solved_inexact"
 
@@ -76,9 +76,14 @@ class ClosedForms:
         rank-deficient system's minimum-norm solution), for an optimization to start from; None where
         none applies."""
         for name, solver in SOLVERS.items():
-            # a separating solver's images come in no label order: no start for the labels' dummies
-            if solver.ordered and self.reason(name, job) is None:
-                return self.solve(name, job).images
+            if self.reason(name, job) is None:
+                images = self.solve(name, job).images
+                if solver.ordered:
+                    return images
+                # a separating solver's images come in an order of their own: put them in the labels'
+                order = label_order(images, job, self.model(job))
+                if order is not None:
+                    return images[order]
         return None
 
     def solve(self, name: str, job: VictimJob) -> JobResult:

@@ -565,3 +565,32 @@ def last_linear_features(layer: Layer, job: VictimJob, model: nn.Module) -> Feat
     scale, misfit_at = _best_scale(misfit, typical=float(np.sqrt(u.numel())))
     h = scale * u
     return Features(h[None].float(), max(misfit_at, _relative(dw - torch.outer(dw @ u, u), dw)))
+
+
+# -- (d) a separated batch in the labels' order: where an optimization starts from a separation -------------
+
+
+def label_order(images: Tensor, job: VictimJob, model: nn.Module) -> Tensor | None:
+    """The permutation putting a separating solver's images (which come in an order of their own) in the
+    order of ``job.labels``, for an optimization whose dummies carry those labels to start from them; None
+    where the model does not end in a Linear. The last Linear's gradient of a mean cross-entropy is
+    B dW = (S - P)^T H (S: the softmax outputs, P: the labels one-hot, H: that layer's inputs, rows per
+    image), so P^T = (S^T H - B dW) H^+ from the images' own S and H (dropout off: the client's masks on
+    that layer are not known, which blurs but does not move the estimate). Each image goes to a place of
+    the label it scores highest, every label keeping its count (an assignment)."""
+    from scipy.optimize import linear_sum_assignment
+
+    layer = last_linear(model, tuple(job.spec.input_shape))
+    if layer is None:
+        return None
+    x = images.float().reshape(-1, *job.spec.input_shape)
+    h = _layer_inputs(model, layer.module, x)
+    with torch.no_grad(), evaluating(model):
+        s = torch.softmax(model(x).double(), dim=1)
+    dw = _grads(job, model)[layer.weight]
+    scores = torch.linalg.lstsq(h.T, (s.T @ h - job.batch_size * dw).T).solution  # (B, classes): P, estimated
+    labels = job.labels.long().cpu()
+    rows, cols = linear_sum_assignment(-scores[:, labels].numpy())  # image rows[k] to place cols[k]
+    order = torch.empty(len(labels), dtype=torch.long)
+    order[torch.as_tensor(cols)] = torch.as_tensor(rows)
+    return order
