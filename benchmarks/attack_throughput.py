@@ -35,6 +35,7 @@ import ctypes
 import functools
 import gc
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from plain_baseline import plain_attacks, run_plain  # beside this script: its d
 from torch.utils.flop_counter import FlopCounterMode
 
 from attacker.attacks import make_attack
+from attacker.engine import layer_terms
 from attacker.engine.inversion import InversionModule
 from attacker.engine.replay_lowrank import one_job_loop
 from attacker.jobs import jobs_from_images
@@ -59,7 +61,7 @@ SETTINGS = {
     "resnet18": ("resnet18", "cifar10"),
 }
 # Default V per model: a few sizes up to where that model's throughput stops growing on 2 cores.
-DEFAULT_JOBS = {"mlp": [1, 32, 128], "lenet": [1, 32, 128], "vit": [1, 8, 16], "resnet18": [1, 8, 16]}
+DEFAULT_JOBS = {"mlp": [1, 32, 128, 512], "lenet": [1, 32, 128], "vit": [1, 8, 16], "resnet18": [1, 8, 16]}
 # The FedAvg rows: the client's optimizer and learning rate (configs/experiments/fedavg.yaml's).
 FEDAVG_OPTIMIZERS = {"sgd": OptimizerSpec("sgd", 0.05), "adam": OptimizerSpec("adam", 1e-3)}
 
@@ -78,6 +80,21 @@ def gemm_peak(device: torch.device, n: int | None = None, reps: int = 5) -> floa
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+class Peak:
+    """The fp32 GEMM peak the % column divides by: the best of every measurement in this run (at its
+    start, after each repeat round of the timings, at its end), so that a measurement slowed by other
+    load does not flatter the % column; the timings are best-of too."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.first = self.best = gemm_peak(device)
+
+    def measure(self, reps: int = 2) -> float:
+        now = gemm_peak(self.device, reps=reps)
+        self.best = max(self.best, now)
+        return now
 
 
 def gemm_size(device: torch.device) -> int:
@@ -121,7 +138,7 @@ def make_fedavg_module(
     return InversionModule(vjobs, [make_attack("dia")] * jobs, None).to(device)
 
 
-def bench_fedavg(args: argparse.Namespace, device: torch.device, peak: float, memory: PeakMemory) -> list[dict]:
+def bench_fedavg(args: argparse.Namespace, device: torch.device, peak: Peak, memory: PeakMemory) -> list[dict]:
     """The FedAvg rows (see the module docstring): per optimizer, the loop and the dispatch, in turns."""
     sync = lambda: _sync(device)  # noqa: E731
     v, out = args.fedavg_jobs, []
@@ -144,6 +161,7 @@ def bench_fedavg(args: argparse.Namespace, device: torch.device, peak: float, me
                     run()
                 sync()
                 times[path].append((time.perf_counter() - start) / n)
+            peak.measure()
         base = v / min(times["loop"])
         for path in paths:
             dt = min(times[path])
@@ -152,7 +170,7 @@ def bench_fedavg(args: argparse.Namespace, device: torch.device, peak: float, me
             note = {"loop": "", "batch": "   (low-rank, all jobs at once)"}[path]
             if path == "batch" and opt_name != "sgd":
                 note = "   (not batched: the dispatch takes the loop)"
-            print(row(name, v, label, v / dt, ratio, dt, flops[path], peak, mem[path]) + note, flush=True)
+            print(row(name, v, label, v / dt, ratio, dt, flops[path], peak.best, mem[path]) + note, flush=True)
             out.append({"model": name, "V": v, "path": label, "rate": v / dt})
         del module, step, paths
     return out
@@ -181,6 +199,20 @@ def bf16_loss_error(module: InversionModule, device: torch.device) -> float:
     with torch.autocast(device.type, dtype=torch.bfloat16):
         low = module.job_losses(active)[0].detach().float()
     return float(((low - exact).abs() / exact.abs().clamp_min(1e-12)).max())
+
+
+def previous_step(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` with every per-job product of the layer terms a bmm (layer_terms.SMALL_PRODUCT = 0),
+    as the engine ran before its small-product form: the same values up to float rounding."""
+
+    def run() -> Any:
+        saved, layer_terms.SMALL_PRODUCT = layer_terms.SMALL_PRODUCT, 0
+        try:
+            return step()
+        finally:
+            layer_terms.SMALL_PRODUCT = saved
+
+    return run
 
 
 def engine_step(module: InversionModule) -> list[float]:
@@ -254,7 +286,7 @@ def row(
 
 
 def bench_model(
-    name: str, jobs: list[int], args: argparse.Namespace, device: torch.device, peak: float, memory: PeakMemory
+    name: str, jobs: list[int], args: argparse.Namespace, device: torch.device, peak: Peak, memory: PeakMemory
 ) -> list[dict]:
     """One model's rows. The baseline, the dense and the factored paths are timed in turns (one
     repeat of each, then the next), so that load from elsewhere falls on all three alike; each
@@ -299,6 +331,8 @@ def bench_model(
         used = len(ghost.used_factors)
         weights = sum(1 for m, _ in ghost.layers if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
         paths: dict[str, Callable[[], Any]] = {"dense": step, "factored": step}
+        if args.previous:
+            paths["fact-prev"] = previous_step(step)
         bf16_err = None
         if args.bf16:
             paths["fact+bf16"] = autocast_step(module, device)
@@ -315,7 +349,9 @@ def bench_model(
                 sync()
                 times[path].append((time.perf_counter() - start) / args.iterations)
             time_baseline()
+            peak.measure()
         bf16 = (min(times["fact+bf16"]), bf16_err) if args.bf16 else None
+        previous = min(times["fact-prev"]) if args.previous else None
         rows.append(
             (
                 v,
@@ -329,17 +365,18 @@ def bench_model(
                 weights,
                 factor_s,
                 bf16,
+                previous,
             )
         )
         del module, ghost, step
     dt_b = min(base_times)
     base_rate = 1 / dt_b
-    print(row(name, 1, "baseline", base_rate, None, dt_b, flops_b, peak, mem_b), flush=True)
+    print(row(name, 1, "baseline", base_rate, None, dt_b, flops_b, peak.best, mem_b), flush=True)
     out = [{"model": name, "V": 1, "path": "baseline", "rate": base_rate}]
-    for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s, bf16 in rows:
-        print(row(name, v, "dense", v / dt_d, v / dt_d / base_rate, dt_d, flops_d, peak, mem_d), flush=True)
+    for v, dt_d, flops_d, mem_d, dt_f, flops_f, mem_f, used, weights, factor_s, bf16, previous in rows:
+        print(row(name, v, "dense", v / dt_d, v / dt_d / base_rate, dt_d, flops_d, peak.best, mem_d), flush=True)
         print(
-            row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak, mem_f)
+            row(name, v, "factored", v / dt_f, v / dt_f / base_rate, dt_f, flops_f, peak.best, mem_f)
             + f"   ({used}/{weights} weight layers factored; factoring took {factor_s:.2f} s once)",
             flush=True,
         )
@@ -347,15 +384,66 @@ def bench_model(
             {"model": name, "V": v, "path": "dense", "rate": v / dt_d},
             {"model": name, "V": v, "path": "factored", "rate": v / dt_f},
         ]
+        if previous is not None:  # same FLOPs up to the tiny products' (counted as a bmm, or not at all)
+            print(
+                row(name, v, "fact-prev", v / previous, v / previous / base_rate, previous, flops_f, peak.best, mem_f)
+                + "   (factored, every per-job product a bmm: the engine before its small-product form)",
+                flush=True,
+            )
+            out.append({"model": name, "V": v, "path": "fact-prev", "rate": v / previous})
         if bf16 is not None:  # same FLOPs as the factored row (the counter counts operations, not precision)
             dt_h, err = bf16
             print(
-                row(name, v, "fact+bf16", v / dt_h, v / dt_h / base_rate, dt_h, flops_f, peak, mem_f)
+                row(name, v, "fact+bf16", v / dt_h, v / dt_h / base_rate, dt_h, flops_f, peak.best, mem_f)
                 + f"   (bf16 autocast; job losses off the float32 ones by up to {100 * err:.2g} %)",
                 flush=True,
             )
             out.append({"model": name, "V": v, "path": "fact+bf16", "rate": v / dt_h})
     return out
+
+
+def lightning_overhead(args: argparse.Namespace) -> None:
+    """Per-iteration time of the Lightning Trainer's loop (``trainer.fit``: the module's own
+    ``training_step``, with its best-iterate and stopping bookkeeping and logging) against
+    ``engine_step`` called in a plain Python loop, on the same jobs: the median over the iterations
+    after the first (which factors the targets), so neither the one-off factoring nor the fit's
+    start-up is counted."""
+    import lightning as L
+
+    name = next((m for m in args.models if m != "fedavg"), "mlp")
+    model, dataset = SETTINGS[name]
+    v, n = (args.jobs or DEFAULT_JOBS[name])[-1], args.iterations * 5
+    ends: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, *_: Any) -> None:
+            ends.append(time.perf_counter())
+
+    module = make_module(model, dataset, v)
+    module.chunk = n + 1
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock()],
+    )
+    trainer.fit(module)
+    t_lightning = statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    module = make_module(model, dataset, v)
+    engine_step(module)  # the first iteration factors the targets
+    plain = []
+    for _ in range(n):
+        start = time.perf_counter()
+        engine_step(module)
+        plain.append(time.perf_counter() - start)
+    t_plain = statistics.median(plain)
+    print(
+        f"Lightning Trainer vs plain loop ({name}, V={v}, median of {n} iterations after the first): "
+        f"{t_lightning * 1e3:.1f} vs {t_plain * 1e3:.1f} ms/iteration (overhead {1e3 * (t_lightning - t_plain):.1f} ms)"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -391,6 +479,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="also time the factored path under bf16 autocast (an experiment: the engine runs float32)",
     )
     parser.add_argument(
+        "--previous",
+        action="store_true",
+        help="also time the factored path as the engine ran it before its small-product form "
+        "(layer_terms.SMALL_PRODUCT = 0: every per-job product a bmm), in turns with the others",
+    )
+    parser.add_argument(
         "--lightning", action="store_true", help="also time the Lightning Trainer against the plain loop"
     )
     args = parser.parse_args(argv)
@@ -400,11 +494,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     memory = PeakMemory(device)
-    peak = gemm_peak(device)
+    peak = Peak(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(
-        f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak:.0f} GFLOP/s ({gemm_size(device)}^3, "
-        "best of 5, measured now); "
+        f"torch {torch.__version__}, {where}; fp32 GEMM peak {peak.first:.0f} GFLOP/s now ({gemm_size(device)}^3, "
+        "best of 5; the % peak column uses the best measured in the run up to its row); "
         f"B = {args.batch_size}, DIA, best of {args.repeats} x {args.iterations} timed iterations per setting"
     )
     print(
@@ -420,36 +514,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results += bench_fedavg(args, device, peak, memory)
         else:
             results += bench_model(name, args.jobs or DEFAULT_JOBS[name], args, device, peak, memory)
-    end_peak = gemm_peak(device)
-    print(f"fp32 GEMM peak at the end of the run: {end_peak:.0f} GFLOP/s (the % peak column uses {peak:.0f})")
+    end_peak = peak.measure(reps=5)
+    print(
+        f"fp32 GEMM peak: {peak.first:.0f} GFLOP/s at the start of the run, {end_peak:.0f} at its end, "
+        f"best in the run {peak.best:.0f} (the % peak column uses the best up to its row)"
+    )
     if args.lightning:
-        import lightning as L
-
-        name = next((m for m in args.models if m != "fedavg"), "mlp")
-        model, dataset = SETTINGS[name]
-        v, n = (args.jobs or DEFAULT_JOBS[name])[-1], args.iterations * 5
-        module = make_module(model, dataset, v)
-        module.chunk = n
-        trainer = L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        start = time.perf_counter()
-        trainer.fit(module)
-        t_lightning = (time.perf_counter() - start) / n
-        module = make_module(model, dataset, v)
-        start = time.perf_counter()
-        for _ in range(n):
-            engine_step(module)
-        t_plain = (time.perf_counter() - start) / n
-        print(
-            f"Lightning Trainer vs plain loop ({name}, V={v}, {n} iterations): {t_lightning * 1e3:.1f} vs "
-            f"{t_plain * 1e3:.1f} ms/iteration (overhead {1e3 * (t_lightning - t_plain):.1f} ms, includes fit start-up)"
-        )
+        lightning_overhead(args)
     return results
 
 

@@ -117,3 +117,22 @@ def test_fewer_jobs_select_rows_of_the_cached_factors():
     fresh = PerJobGradients(model)
     fresh.set_targets([t.index_select(0, jobs) for t in targets])
     torch.testing.assert_close(ghost.compute(x, y, 2).dot, fresh.compute(x, y, 2).dot)
+
+
+@pytest.mark.parametrize("m,p", [(1, 1), (1, 3), (3, 1), (2, 2), (1, 5), (4, 4)])
+def test_small_products_equal_bmm_with_their_gradients(m, p):
+    """layer_terms.bmm takes tiny per-job products (B = 1, rank-1 targets) elementwise: the same values
+    and gradients as a bmm, up to float rounding."""
+    from attacker.engine.layer_terms import bmm
+
+    g = torch.Generator().manual_seed(m * 10 + p)
+    x = torch.randn(6, m, 50, generator=g, requires_grad=True)
+    y = torch.randn(6, 50, p, generator=g, requires_grad=True)
+    probe = torch.randn(6, m, p, generator=g)
+    got = bmm(x, y)
+    want = x @ y
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(
+        torch.autograd.grad((got * probe).sum(), [x, y]), torch.autograd.grad((want * probe).sum(), [x, y])
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -50,10 +50,11 @@ def adam_rows_(
     """One Adam step of the rows of ``param`` where ``moving``; the others keep their values (their
     gradient is taken as zero, their step size must be 0). In place on param and the moments."""
     beta1, beta2 = BETAS
-    grad = torch.where(_rows_view(moving, grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    if not bool(moving.all()):  # all rows move in most iterations: then no pass to zero any
+        grad = torch.where(_rows_view(moving, grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / _rows_view(bc2_sqrt, exp_avg_sq)).add_(EPS)
+    denom = exp_avg_sq.sqrt().div_(_rows_view(bc2_sqrt, exp_avg_sq)).add_(EPS)
     # torch's addcdiv computes param + (value * exp_avg) / denom: the same order, with value per row
     param.addcdiv_(_rows_view(step_size, exp_avg) * exp_avg, denom)
 

@@ -118,6 +118,26 @@ def batched_formula(module: nn.Module) -> LayerFormula | None:
 # -- the shared forms -------------------------------------------------------------------------------
 
 
+# A batched product whose result has at most this many entries per job is taken as a broadcast
+# multiply and a sum instead of a bmm: a bmm of (V, 1, n) by (V, n, 1), as B = 1 and a rank-1 target
+# give, runs one tiny GEMM per job, and its backward two more (measured: 3-30x slower than the
+# elementwise form on one CPU thread at V = 128, n = 512).
+SMALL_PRODUCT = 4
+
+
+def bmm(x: Tensor, y: Tensor) -> Tensor:
+    """x: (V, m, n) @ y: (V, n, p), as a broadcast multiply and sum where m * p is tiny (same values
+    up to float rounding)."""
+    m, p = x.shape[1], y.shape[2]
+    if m * p > SMALL_PRODUCT:
+        return x @ y
+    if m == 1:
+        return (x.transpose(1, 2) * y).sum(1, keepdim=True)
+    if p == 1:
+        return (x * y.transpose(1, 2)).sum(2, keepdim=True)
+    return (x.unsqueeze(3) * y.unsqueeze(1)).sum(2)
+
+
 def linear_terms(
     d: Tensor, a: Tensor, target: Tensor, factors: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor, bool]:
@@ -126,17 +146,18 @@ def linear_terms(
     rows, out_f, in_f = d.shape[1], d.shape[2], a.shape[2]
     gram = rows * (out_f + in_f) < out_f * in_f
     dense, factored = dot_costs(rows, out_f, in_f, None if factors is None else factors[0].shape[2], gram)
+    use_factors = factors is not None and factored < dense
     g = None
     if gram:
-        norm2 = ((d @ d.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum((1, 2))
+        norm2 = (bmm(d, d.transpose(1, 2)) * bmm(a, a.transpose(1, 2))).sum((1, 2))
     else:
         g = d.transpose(1, 2) @ a
         norm2 = (g * g).sum((1, 2))
-    if factors is not None and factored < dense:
+    if use_factors:
         left, right = factors
-        return ((d @ left) * (a @ right)).sum((1, 2)), norm2, True
+        return (bmm(d, left) * bmm(a, right)).sum((1, 2)), norm2, True
     if g is None:
-        return ((d @ target) * a).sum((1, 2)), norm2, False
+        return (bmm(d, target) * a).sum((1, 2)), norm2, False
     return (g * target).sum((1, 2)), norm2, False
 
 
