@@ -339,10 +339,14 @@ def test_attacker_presets(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_attacker_demo(tmp_path: Path, data_root: Path) -> None:
-    """demo: a one-client federation captures round 1, IG (eval), WIIG and DIA attack it, one report."""
+def test_attacker_demo(tmp_path: Path, data_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """demo: a two-client federation with dropout captures round 1, IG (eval), WIIG and DIA attack each
+    client's capture, one report; a second demo into the same folder is refused (the suite's one demo
+    federation: tests/test_cli.py runs the demo without one)."""
+    from attacker.cli import main as attacker_main
+
     rc, out = run(
-        [*ATTACKER, "demo", "--victims", "1", *TINY_ATTACK, "--data-root", str(data_root), "--out", "demo"],
+        [*ATTACKER, "demo", "--victims", "2", *TINY_ATTACK, "--data-root", str(data_root), "--out", "demo"],
         tmp_path,
         RAY_TIMEOUT,
     )
@@ -350,12 +354,17 @@ def test_attacker_demo(tmp_path: Path, data_root: Path) -> None:
     demo = tmp_path / "demo"
     report = (demo / "report.md").read_text()
     assert "test accuracy" in report and all(a in report for a in ("ig_eval", "wiig", "dia"))
-    assert json.loads((demo / "federated" / "results.json").read_text())["num_captures"] == 1
+    assert json.loads((demo / "federated" / "results.json").read_text())["num_captures"] == 2
     _attack_folder(demo / "attack")
     rows = _metrics(demo / "attack")
-    assert sorted(r["attack"] for r in rows) == ["dia", "ig_eval", "wiig"]
-    assert all(r["job"] == "r0001_c000" and r["iterations"] == 2 for r in rows)
+    assert sorted(r["attack"] for r in rows) == ["dia", "dia", "ig_eval", "ig_eval", "wiig", "wiig"]
+    assert {r["job"] for r in rows} == {"r0001_c000", "r0001_c001"}
+    assert all(r["iterations"] == 2 and r["ssim_paper"] is not None for r in rows)
     assert "main job report" in out
+    capsys.readouterr()
+    assert attacker_main(["demo", "--out", str(demo), "--quiet"]) == 2
+    printed = capsys.readouterr()
+    assert "already holds a finished main job" in printed.out + printed.err
 
 
 def test_attacker_run_a_shipped_config(tmp_path: Path, data_root: Path) -> None:
