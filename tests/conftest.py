@@ -80,39 +80,38 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # Scheduling on pytest-xdist's workers (pytest_xdist_make_scheduler below): each group runs on one
 # worker. A test is in its module's group, so that a module-scoped fixture (a federation, a run
 # folder) is made once, as with --dist loadfile, except the slow tests below: each is a group of its
-# own, so that they spread over the workers. Groups start in this order, slowest first, then the
-# modules in collection order, so that what starts last is short. Seconds in the comments: measured
-# with 2 workers on the 2-core machine while others used it (load average about 6). A test missing
-# here only starts later than it could.
+# own, so that they spread over the workers (a test listed alone must not share a module fixture with
+# the rest of its module: that fixture would be made on both workers). Groups start in this order,
+# slowest first, then the modules in collection order, so that what starts last is short. Seconds in
+# the comments: measured with 2 workers on the 2-core machine while others used it (load average
+# about 6, which inflates the federations most). A test missing here only starts later than it could.
 SLOW_FIRST = [
-    "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 154: 4 federations
-    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 142
-    "tests/test_deployment.py::test_cli_deploy_local_with_tls_and_supernode_auth",  # 117
-    "tests/test_faults.py::test_one_round_with_100_clients_all_captured",  # 100
-    "tests/test_defenses.py::test_deployment_applies_the_prune_mod",  # 99
-    "tests/test_cli.py::test_main_job_tells_the_whole_federated_story",  # 90
-    "tests/test_faults.py",  # 88
-    "tests/test_deployment.py::test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures",  # 82
-    "tests/test_reproduction.py",  # 74
-    "tests/test_reliability.py::test_sigkilled_attack_resumes_to_the_uninterrupted_result",  # 70
-    "tests/test_experiments.py::test_cells_on_ray_equal_the_sequential_run",  # 57
-    "tests/test_experiments.py",  # about 110 more
-    "tests/test_commands.py",  # about 200 (one `fedsim simulate` feeds four of them)
-    "tests/test_commands.py::test_fedsim_deploy_local",  # 67
-    "tests/test_live.py",  # 64
-    "tests/test_commands.py::test_fedsim_sweep",  # 61
-    "tests/test_simulation.py",  # about 100
-    "tests/test_notebook.py::test_walkthrough_notebook_executes",  # 50
-    "tests/test_dp_sgd.py",  # about 60
-    "tests/test_commands.py::test_attacker_demo",  # 45
-    "tests/test_defenses.py",  # about 45
-    "tests/test_own_models.py",
-    "tests/test_engine.py",
-    "tests/test_fedprox.py",
-    "tests/test_replay_batched.py",
-    "tests/test_deployment.py",
+    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 448: 3 runs
+    "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 184: 4 federations
+    "tests/test_commands.py::test_fedsim_deploy_local",  # about 230: make-certs, deploy-local with TLS
+    "tests/test_faults.py::test_one_round_with_100_clients_all_captured",  # 110
+    "tests/test_faults.py",  # 110
+    "tests/test_experiments.py::test_cells_on_ray_equal_the_sequential_run",  # 106
+    "tests/test_deployment.py",  # about 130: one killed (and pruned) run feeds two tests
+    "tests/test_commands.py",  # about 260: one `fedsim simulate` feeds four of them
+    "tests/test_experiments.py",  # about 120 more
+    "tests/test_fedprox.py",  # 75
+    "tests/test_commands.py::test_fedsim_sweep",  # 74
+    "tests/test_notebook.py::test_walkthrough_notebook_executes",  # 64
+    "tests/test_simulation.py",  # about 45: one simulation feeds two tests
+    "tests/test_paper_victims.py",  # 66
+    "tests/test_defenses.py",  # about 35
+    "tests/test_live.py",  # 55
+    "tests/test_reliability.py",  # about 60
+    "tests/test_dp_sgd.py",  # about 55
+    "tests/test_own_models.py",  # about 80
     "tests/test_stochastic_depth.py",
-    "tests/test_paper_victims.py",
+    "tests/test_cli.py",
+    "tests/test_closed_form.py",
+    "tests/test_hybrid_terms.py",
+    "tests/test_engine.py",
+    "tests/test_compose.py",
+    "tests/test_replay_batched.py",
 ]
 
 

@@ -243,20 +243,3 @@ def test_bad_data_roots(case, message, tmp_path, capsys):
     )
     assert code == 2 and message in text and "Traceback" not in text
     assert not out.exists()
-
-
-def test_main_job_tells_the_whole_federated_story(tmp_path, capsys):
-    """`attacker demo`: Flower simulation with dropout, round-1 capture, IG/WIIG/DIA on the captures, one report."""
-    out = tmp_path / "story"
-    code, text = _run(
-        ["demo", "--out", str(out), "--victims", "3", "--iterations", "20", "--quiet", "--no-lpips"], capsys
-    )
-    assert code == 0, text
-    report = (out / "report.md").read_text()
-    assert "test accuracy" in report and "ig_eval" in report and "wiig" in report and "dia" in report
-    assert (out / "attack" / "grid.png").stat().st_size > 0
-    rows = json.loads((out / "attack" / "metrics.json").read_text())
-    assert sorted({r["attack"] for r in rows}) == ["dia", "ig_eval", "wiig"] and len(rows) == 9
-    assert all(r["job"].startswith("r0001_c") and r["ssim_paper"] is not None for r in rows)
-    code, text = _run(["demo", "--out", str(out), "--quiet"], capsys)
-    assert code == 2 and "already holds a finished main job" in text

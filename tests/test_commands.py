@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from attacker.attacks import PRESETS
+from fedsim.deployment import _alive
 from fedsim.flower_env import FLWR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,39 +241,80 @@ def test_fedsim_sweep(tmp_path: Path, data_root: Path) -> None:
     assert "wrote" in out
 
 
+def _processes_with_env(entry: str) -> list[int]:
+    """Live pids whose environment holds ``entry`` (e.g. ``FLWR_HOME=...``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if entry.encode() in (proc / "environ").read_bytes().split(b"\0") and _alive(int(proc.name)):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
 def test_fedsim_deploy_local(tmp_path: Path, data_root: Path) -> None:
-    """deploy-local: SuperLink + one SuperNode on loopback run a captured round; the run folder holds
-    the results, the capture, the deployment's logs, and no oracle (no audit in a deployment)."""
+    """deploy-local: SuperLink + two SuperNodes on loopback run a captured round, with TLS and SuperNode
+    authentication where openssl can make the certificates (deploy/make-certs.sh), else --insecure;
+    the run folder holds the results, the captures, the deployment's logs, and no oracle (no audit in
+    a deployment), and nothing started for the deployment is left running. The one deploy-local run
+    of the suite (the plain deployment engine: tests/test_deployment.py)."""
+    tls = shutil.which("openssl") is not None
+    extra: list[str] = []
+    if tls:
+        certs = tmp_path / "certs"
+        subprocess.run(
+            ["bash", str(ROOT / "deploy" / "make-certs.sh"), str(certs), "2"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        extra = ["--tls-dir", str(certs), "--node-auth"]
     rc, out = run(
         [
             *FEDSIM,
             "deploy-local",
             "--clients",
-            "1",
+            "2",
             "--rounds",
             "1",
             "--capture-rounds",
             "1",
+            "--victim-batch-size",
+            "2",
             "--no-download",
             "--data-root",
             str(data_root),
             "--quiet",
             "--timeout",
-            "180",
+            "300",
             "--run-dir",
             "dep",
+            *extra,
         ],
         tmp_path,
-        RAY_TIMEOUT,
+        RAY_TIMEOUT + 120,
     )
-    assert rc == 0, out[-5000:]
     run_dir = tmp_path / "dep"
+    logs = run_dir / "deployment" / "logs"
+    assert rc == 0, out[-3000:] + "\n".join(f.read_text()[-2000:] for f in sorted(logs.glob("*.log")))
     results = json.loads((run_dir / "results.json").read_text())
-    assert results["rounds_run"] == 1 and results["num_captures"] == 1
-    assert [p.name[:10] for p in (run_dir / "captures").iterdir()] == ["r0001_c000"]
+    assert results["rounds_run"] == 1 and results["num_captures"] == 2
+    assert sorted(p.name[:10] for p in (run_dir / "captures").iterdir()) == ["r0001_c000", "r0001_c001"]
     assert not (run_dir / "oracle").exists()
-    assert (run_dir / "deployment" / "logs").is_dir() and (run_dir / "rounds.csv").is_file()
+    assert logs.is_dir() and (run_dir / "rounds.csv").is_file()
     assert "completed" in out and "every process stopped" in out
+    conf = (run_dir / "deployment" / "flwr-home" / "config.toml").read_text()
+    superlink_log = (logs / "superlink.log").read_text()
+    if tls:
+        assert "https://127.0.0.1:" in superlink_log  # TLS on the SuperLink's API
+        assert superlink_log.count("RegisterNode] Created node_id") == 2  # both SuperNode keys registered
+        assert "insecure" not in conf and str(certs / "ca.crt") in conf
+    else:
+        assert "insecure = true" in conf
+    # nothing started for this deployment is left running
+    assert _processes_with_env(f"FLWR_HOME={run_dir / 'deployment' / 'flwr-home'}") == []
 
 
 def test_fedsim_bad_value_is_one_line(tmp_path: Path) -> None:
@@ -297,10 +339,14 @@ def test_attacker_presets(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_attacker_demo(tmp_path: Path, data_root: Path) -> None:
-    """demo: a one-client federation captures round 1, IG (eval), WIIG and DIA attack it, one report."""
+def test_attacker_demo(tmp_path: Path, data_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """demo: a two-client federation with dropout captures round 1, IG (eval), WIIG and DIA attack each
+    client's capture, one report; a second demo into the same folder is refused (the suite's one demo
+    federation: tests/test_cli.py runs the demo without one)."""
+    from attacker.cli import main as attacker_main
+
     rc, out = run(
-        [*ATTACKER, "demo", "--victims", "1", *TINY_ATTACK, "--data-root", str(data_root), "--out", "demo"],
+        [*ATTACKER, "demo", "--victims", "2", *TINY_ATTACK, "--data-root", str(data_root), "--out", "demo"],
         tmp_path,
         RAY_TIMEOUT,
     )
@@ -308,12 +354,17 @@ def test_attacker_demo(tmp_path: Path, data_root: Path) -> None:
     demo = tmp_path / "demo"
     report = (demo / "report.md").read_text()
     assert "test accuracy" in report and all(a in report for a in ("ig_eval", "wiig", "dia"))
-    assert json.loads((demo / "federated" / "results.json").read_text())["num_captures"] == 1
+    assert json.loads((demo / "federated" / "results.json").read_text())["num_captures"] == 2
     _attack_folder(demo / "attack")
     rows = _metrics(demo / "attack")
-    assert sorted(r["attack"] for r in rows) == ["dia", "ig_eval", "wiig"]
-    assert all(r["job"] == "r0001_c000" and r["iterations"] == 2 for r in rows)
+    assert sorted(r["attack"] for r in rows) == ["dia", "dia", "ig_eval", "ig_eval", "wiig", "wiig"]
+    assert {r["job"] for r in rows} == {"r0001_c000", "r0001_c001"}
+    assert all(r["iterations"] == 2 and r["ssim_paper"] is not None for r in rows)
     assert "main job report" in out
+    capsys.readouterr()
+    assert attacker_main(["demo", "--out", str(demo), "--quiet"]) == 2
+    printed = capsys.readouterr()
+    assert "already holds a finished main job" in printed.out + printed.err
 
 
 def test_attacker_run_a_shipped_config(tmp_path: Path, data_root: Path) -> None:

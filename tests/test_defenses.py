@@ -293,35 +293,6 @@ def test_ray_simulation_applies_client_clipping_and_the_wrapper(base: dict[str, 
     assert all(d == "central-dp-client-clipping" and abs(n - 0.01) < 1e-4 for d, n, _ in found), found
 
 
-def test_deployment_applies_the_prune_mod(base: dict[str, Any], tmp_path: Path) -> None:
-    """The deployment engine (SuperLink + SuperNodes on loopback) runs the same ClientApp, mods included."""
-    from fedsim.deployment import LocalDeployment
-
-    run_dir = tmp_path / "run"
-    cfg = resolve_config(
-        {
-            "num-clients": 2,
-            "num-server-rounds": 1,
-            "capture-rounds": "1",
-            "capture-kind": "update",
-            "download": False,
-            "local-steps": 2,
-            "batch-size": 4,
-            "capture-images": 8,
-            "model-options": '{"width": 64}',
-            "defense": "prune",
-            "prune-fraction": 0.1,
-            "run-dir": str(run_dir),
-        }
-    )
-    cfg["data-root"] = str(Path(cfg["data-root"]).resolve())
-    with LocalDeployment(2, tmp_path / "work") as dep:
-        result = dep.run(cfg, timeout=300)
-    assert result.ok, (result, dep.log_tail("flwr-run"))
-    found = _norms_and_density(run_dir)
-    assert len(found) == 2 and all(d == "prune" and 0 < density <= 0.11 for d, _, density in found), found
-
-
 def _halve_mods(cfg: Any) -> list[Any]:
     """A toy defense's one client mod: send half the update (global - (global - local) / 2)."""
     from flwr.app import Array

@@ -1,16 +1,18 @@
 """The same Flower app in the deployment engine: SuperLink + SuperNodes as real processes on loopback.
 
-Each test starts the processes, runs a federation with capture on, reads the captures back from
+A deployment starts the processes, runs federations with capture on, reads the captures back from
 the run folder, and checks that every process it started (and every process those started: the
-SuperExecs, ServerApp and ClientApp processes) is gone afterwards, by pid. About 50 s each on 2 cores.
+SuperExecs, ServerApp and ClientApp processes) is gone afterwards, by pid. Each run costs a
+ClientApp process per node and round (about 50 s a run on 2 cores), so one run serves several
+tests where it can (the killed run below). The `fedsim deploy-local` command, with TLS and SuperNode
+authentication, is run in tests/test_commands.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,10 @@ import pytest
 from fedsim import task
 from fedsim.capture import list_captures, list_oracles, load_capture
 from fedsim.data import DataUnavailableError
-from fedsim.deployment import COMPLETED, CONNECTION, LocalDeployment, _alive, marked_pids
+from fedsim.deployment import COMPLETED, CONNECTION, LocalDeployment, marked_pids
 from fedsim.run_config import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
-MAKE_CERTS = ROOT / "deploy" / "make-certs.sh"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,19 +49,6 @@ def _config(run_dir: Path, **extra: Any) -> dict[str, Any]:
     )
     cfg["data-root"] = str(Path(cfg["data-root"]).resolve())
     return cfg
-
-
-def _processes_with_env(entry: str) -> list[int]:
-    """Live pids whose environment holds ``entry`` (e.g. ``FLWR_HOME=...``)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if entry.encode() in (proc / "environ").read_bytes().split(b"\0") and _alive(int(proc.name)):
-                    found.append(int(proc.name))
-            except OSError:
-                pass
-    return found
 
 
 def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path) -> None:
@@ -199,61 +187,37 @@ def test_a_port_taken_before_the_process_binds_it_is_replaced(tmp_path: Path, mo
     assert dep.running() == [] and marked_pids(dep.marker) == []
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make the TLS certificates")
-def test_cli_deploy_local_with_tls_and_supernode_auth(tmp_path: Path) -> None:
-    from fedsim.cli import main
+@dataclass
+class KilledRun:
+    """The module's run whose SuperNode 1 is killed once round 1 is captured."""
 
-    certs = tmp_path / "certs"
-    subprocess.run(["bash", str(MAKE_CERTS), str(certs), "2"], check=True, capture_output=True, timeout=120)
-    run_dir = tmp_path / "run"
-    rc = main(
-        [
-            "deploy-local",
-            "--clients",
-            "2",
-            "--rounds",
-            "1",
-            "--capture-rounds",
-            "1",
-            "--victim-batch-size",
-            "2",
-            "--no-download",
-            "--data-root",
-            str(Path("data").resolve()),
-            "--run-dir",
-            str(run_dir),
-            "--tls-dir",
-            str(certs),
-            "--node-auth",
-            "--quiet",
-            "--timeout",
-            "300",
-        ]
-    )
-    logs = run_dir / "deployment" / "logs"
-    assert rc == 0, "\n".join(f.read_text()[-2000:] for f in sorted(logs.glob("*.log")))
-    superlink_log = (logs / "superlink.log").read_text()
-    assert "https://127.0.0.1:" in superlink_log  # TLS on the SuperLink's API
-    assert superlink_log.count("RegisterNode] Created node_id") == 2  # both SuperNode keys registered
-    conf = (run_dir / "deployment" / "flwr-home" / "config.toml").read_text()
-    assert "insecure" not in conf and str(certs / "ca.crt") in conf
-    captures = [load_capture(p) for p in list_captures(run_dir)]
-    assert {(c.round, c.client) for c in captures} == {(1, 0), (1, 1)}
-    assert list_oracles(run_dir) == []
-    # nothing started for this deployment is left running
-    assert _processes_with_env(f"FLWR_HOME={run_dir / 'deployment' / 'flwr-home'}") == []
+    outcome: dict[str, Any]
+    left_running: list[int]
+    marked: list[int]
+    captures: list[Any]
 
 
-def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(tmp_path: Path) -> None:
-    """SIGKILL one SuperNode once round 1 is captured: the run ends (completed with the other
-    node, or stopped), every process goes away, and the captures already written stay readable."""
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
+    """SIGKILL one SuperNode of a pruned run (update captures) once round 1 is captured; the run goes on
+    until it completes with the other node or stops. One deployment serves the tests below."""
     import threading
     import time
 
     from fedsim.deployment import DeploymentError
 
+    tmp_path = tmp_path_factory.mktemp("killed")
     run_dir = tmp_path / "run"
-    cfg = _config(run_dir, **{"num-server-rounds": 4, "local-steps": 2})
+    cfg = _config(
+        run_dir,
+        **{
+            "num-server-rounds": 4,
+            "local-steps": 2,
+            "capture-kind": "update",
+            "defense": "prune",
+            "prune-fraction": 0.1,
+        },
+    )
     outcome: dict[str, Any] = {}
     with LocalDeployment(2, tmp_path / "work") as dep:
 
@@ -271,7 +235,25 @@ def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(tmp_path: P
         dep.procs["supernode-1"].kill()
         worker.join(timeout=200)
         assert not worker.is_alive(), "the run neither finished nor stopped"
-    assert "result" in outcome or "error" in outcome
-    assert dep.running() == [] and marked_pids(dep.marker) == []
     captures = [load_capture(p) for p in list_captures(run_dir)]  # every capture written is intact
-    assert {(c.round, c.client) for c in captures if c.round == 1} == {(1, 0), (1, 1)}
+    return KilledRun(outcome, dep.running(), marked_pids(dep.marker), captures)
+
+
+def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(killed_run: KilledRun) -> None:
+    """The run ends (completed with the other node, or stopped), every process goes away, and the
+    captures already written stay readable."""
+    assert "result" in killed_run.outcome or "error" in killed_run.outcome
+    assert killed_run.left_running == [] and killed_run.marked == []
+    assert {(c.round, c.client) for c in killed_run.captures if c.round == 1} == {(1, 0), (1, 1)}
+
+
+def _density(update: dict[str, Any]) -> float:
+    return sum(int((v != 0).sum()) for v in update.values()) / sum(v.numel() for v in update.values())
+
+
+def test_deployment_applies_the_prune_mod(killed_run: KilledRun) -> None:
+    """The deployment engine (SuperLink + SuperNodes on loopback) runs the same ClientApp, mods included:
+    round 1's updates, which both nodes sent before the kill, are pruned to 10% of their entries."""
+    first = [c for c in killed_run.captures if c.round == 1]
+    assert len(first) == 2 and all(c.kind == "update" and c.defense == "prune" for c in first)
+    assert all(0 < _density(c.update) <= 0.11 for c in first), [_density(c.update) for c in first]

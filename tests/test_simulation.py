@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,42 +129,6 @@ def test_client_evaluate(cfg: dict[str, Any]) -> None:
     assert metrics["num-examples"] > 0 and 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
 
 
-def test_ray_simulation_writes_captures_and_accuracy(cfg: dict[str, Any], tmp_path: Path) -> None:
-    from fedsim.simulation import load_results, run_simulation_job
-
-    run_dir = run_simulation_job(
-        {
-            "num-clients": 3,
-            "num-server-rounds": 2,
-            "capture-rounds": "2",
-            "audit": True,
-            "download": False,
-            "local-steps": 3,
-            "victim-batch-size": 2,
-            "run-dir": str(tmp_path / "run"),
-        }
-    )
-    with open(run_dir / "rounds.csv") as fh:
-        rows = list(csv.DictReader(fh))
-    assert [int(r["round"]) for r in rows] == [0, 1, 2]
-    assert [int(r["num_replies"]) for r in rows] == [0, 3, 3]
-    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
-    assert float(rows[1]["accuracy"]) > float(rows[0]["accuracy"])  # a round of training helps
-    results = load_results(run_dir)
-    assert results["num_captures"] == 3 and results["rounds_run"] == 2
-    assert json.loads((run_dir / "config.json").read_text())["num-clients"] == 3
-    paths = list_captures(run_dir)
-    assert len(paths) == 3 and len(list_oracles(run_dir)) == 3
-    captures = [load_capture(p) for p in paths]
-    assert {c.client for c in captures} == {0, 1, 2} and {c.round for c in captures} == {2}
-    for capture in captures:
-        assert capture.kind == "gradient" and capture.batch_size == 2
-        oracle = find_oracle(run_dir, capture)
-        assert torch.equal(oracle.labels, capture.labels) and oracle.images.shape == (2, 1, 28, 28)
-    with pytest.raises(FileExistsError):
-        run_simulation_job({"run-dir": str(run_dir), "download": False})
-
-
 def test_server_loop_early_stop_and_round_files(cfg: dict[str, Any], tmp_path: Path) -> None:
     from fedsim.server_app import run_server
 
@@ -243,19 +208,30 @@ def test_run_config_schema_validates_and_maps_snake_case() -> None:
     assert resolve_config({"colour": "red"}, strict=False) == DEFAULTS
 
 
-def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: Path) -> None:
-    """`attacker` configures root logging; Flower's logger has a handler of its own. A tiny
-    simulation under that configuration prints each Flower line once (it used to print twice)."""
-    import re
+@dataclass
+class Simulated:
+    """The module's one Ray simulation, run as `attacker` runs it (under its logging, in a process of its own)."""
+
+    run_dir: Path
+    returncode: int
+    output: str
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> Simulated:
+    """3 clients, 2 rounds, round 2 captured and audited; `attacker`'s root logging configured first."""
     import subprocess
     import sys
 
+    tmp_path = tmp_path_factory.mktemp("simulated")
     config = {
-        "num-clients": 2,
-        "num-server-rounds": 1,
-        "local-steps": 1,
+        "num-clients": 3,
+        "num-server-rounds": 2,
+        "capture-rounds": "2",
+        "audit": True,
         "download": False,
-        "data-root": str(tmp_path / "data"),
+        "local-steps": 3,
+        "victim-batch-size": 2,
         "run-dir": str(tmp_path / "run"),
     }
     code = (
@@ -265,11 +241,46 @@ def test_flower_log_lines_are_printed_once_under_the_attacker_logging(tmp_path: 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    return Simulated(tmp_path / "run", proc.returncode, proc.stdout + proc.stderr)
+
+
+def test_ray_simulation_writes_captures_and_accuracy(simulated: Simulated) -> None:
+    from fedsim.simulation import load_results, run_simulation_job
+
+    assert simulated.returncode == 0, simulated.output[-4000:]
+    run_dir = simulated.run_dir
+    with open(run_dir / "rounds.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["round"]) for r in rows] == [0, 1, 2]
+    assert [int(r["num_replies"]) for r in rows] == [0, 3, 3]
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    assert float(rows[1]["accuracy"]) > float(rows[0]["accuracy"])  # a round of training helps
+    results = load_results(run_dir)
+    assert results["num_captures"] == 3 and results["rounds_run"] == 2
+    assert json.loads((run_dir / "config.json").read_text())["num-clients"] == 3
+    paths = list_captures(run_dir)
+    assert len(paths) == 3 and len(list_oracles(run_dir)) == 3
+    captures = [load_capture(p) for p in paths]
+    assert {c.client for c in captures} == {0, 1, 2} and {c.round for c in captures} == {2}
+    for capture in captures:
+        assert capture.kind == "gradient" and capture.batch_size == 2
+        oracle = find_oracle(run_dir, capture)
+        assert torch.equal(oracle.labels, capture.labels) and oracle.images.shape == (2, 1, 28, 28)
+    with pytest.raises(FileExistsError):
+        run_simulation_job({"run-dir": str(run_dir), "download": False})
+
+
+def test_flower_log_lines_are_printed_once_under_the_attacker_logging(simulated: Simulated) -> None:
+    """`attacker` configures root logging; Flower's logger has a handler of its own. A tiny
+    simulation under that configuration prints each Flower line once (it used to print twice)."""
+    import re
+
+    assert simulated.returncode == 0, simulated.output[-4000:]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", simulated.output)
     lines = [re.sub(r"^(DEBUG|INFO|WARNING|ERROR)\s*:\s*", "", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line]
-    assert sum("[ROUND 1/1]" in line for line in lines) == 1, text[-3000:]
+    assert sum("[ROUND 1/2]" in line for line in lines) == 1, text[-3000:]
+    assert sum("[ROUND 2/2]" in line for line in lines) == 1, text[-3000:]
     assert sum("Starting CuriousStrategy strategy" in line for line in lines) == 1
     assert [a for a, b in zip(lines, lines[1:]) if a == b] == [], text[-3000:]
 
