@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 exact = sum(r["status"] == "solved" for r in rows)
                 found = sum(r.get("images_separated", 0) for r in rows)
                 # each image's own check: its next-layer misfit (what "exact" means for the whole job)
-                exact_images = sum(m <= EXACT_RTOL for r in rows for m in r["scale_misfits"])
+                exact_images = sum(m <= r.get("exact_tolerance", EXACT_RTOL) for r in rows for m in r["scale_misfits"])
                 print(
                     f"| {dataset} | {p:g} | {batch} | {len(rows)} | {mean(r['ssim_paper'] for r in rows):.3f} "
                     f"| {mean(ssim):.3f} | {sum(v >= RECOGNISABLE for v in ssim)} of {len(ssim)} "

@@ -29,6 +29,8 @@ from .separation import MASK_RTOL, complete_by_smoothness, refine_by_zeros, unmi
 # A solve claims "exact" only where the linear system it solved holds to this relative residual
 # (float32 rounding of the client's own gradient is about 1e-7); pruning or noise leave more.
 EXACT_RTOL = 1e-6
+NOISE_FACTOR = 10  # a separation's check: exact within this many times the gradients' own rounding (_Mixture)
+ROUNDING = 1e-6  # the largest floor taken for float32 rounding rather than noise
 # A gradient row whose part in the missing images' dimensions is below this fraction of it holds none of
 # them: what is left there is the rounding of the images already solved (next-layer misfit ~4e-7).
 FAINT = 1e-4
@@ -47,13 +49,20 @@ class Solution:
     unknowns: int  # the rank it needs for a unique answer (patches, or 1 for a rank-one gradient)
     residual: float  # relative residual of the solved linear system
     extra: dict[str, Any] = field(default_factory=dict)
+    tolerance: float = EXACT_RTOL  # the residual of an exact answer, at most (raised only to the data's own noise)
 
     @property
     def exact(self) -> bool:
-        return self.rank >= self.unknowns and self.residual <= EXACT_RTOL
+        return self.rank >= self.unknowns and self.residual <= self.tolerance
 
     def metrics(self) -> dict[str, Any]:
-        return {"rank": self.rank, "unknowns": self.unknowns, "relative_residual": self.residual, "exact": self.exact}
+        return {
+            "rank": self.rank,
+            "unknowns": self.unknowns,
+            "relative_residual": self.residual,
+            "exact": self.exact,
+            "exact_tolerance": self.tolerance,
+        }
 
 
 @dataclass(frozen=True)
@@ -319,7 +328,7 @@ def _outer(cs: np.ndarray, v: Tensor) -> Tensor:
     return torch.as_tensor(cs, dtype=torch.float64)[:, None] * v[None]
 
 
-def _along_free_directions(image: _Image, free: Tensor) -> _Image:
+def _along_free_directions(image: _Image, free: Tensor, tolerance: float) -> _Image:
     """The image ``a (x + |x| free^T t)`` nearest ``image.row`` (x) that the next layer accepts best: a
     local search over the scale a and the free directions' weights t (Nelder-Mead: the misfit is a norm,
     not smooth at its zero). Keeps ``image`` where the search finds nothing better."""
@@ -346,7 +355,7 @@ def _along_free_directions(image: _Image, free: Tensor) -> _Image:
         )
         if res.fun < best:
             theta, best = res.x, float(res.fun)
-        if best <= EXACT_RTOL:
+        if best <= tolerance:
             break
     return _Image(row(theta), best, misfit) if best < image.misfit_at else image
 
@@ -382,11 +391,21 @@ class _Mixture:
         next_grad: Tensor,
         bias_grad: Tensor | None,
         noise: float,
+        singular_values: Tensor,
     ) -> None:
         assert found.following is not None
         self.model, self.module, self.shape = model, found.following.module, found.input_shape
         self.coords, self.space, self.bias_grad, self.noise = coords, space, bias_grad, noise
-        self.basis = torch.linalg.svd(next_grad, full_matrices=False).Vh[: space.shape[0]]
+        b = space.shape[0]
+        svd = torch.linalg.svd(next_grad, full_matrices=False)
+        self.basis = svd.Vh[:b]
+        # An exact image's misfit sits at the captured gradients' own rounding (float32), which grows with B:
+        # their first singular value past rank B against the B-th (MLP MNIST p = 0.25, B = 32: 2-3e-7, the
+        # misfits of separations whose every plane was found 4e-7-2e-6; the one wrong image there 0.1-0.2).
+        # Within NOISE_FACTOR of that floor, or EXACT_RTOL where the floor is lower, is exact. A floor above
+        # ROUNDING is noise (a quantized SecAgg+ mean, DP), not rounding, and forgives nothing.
+        floors = [float(v[b] / v[b - 1]) for v in (svd.S, singular_values) if v.numel() > b and v[b - 1] > 0]
+        self.exact_rtol = max([EXACT_RTOL] + [NOISE_FACTOR * f for f in floors if f <= ROUNDING])
         self.on_plane = zero_tolerance(torch.linalg.norm(coords, dim=1), noise, MASK_RTOL)  # per row
 
     def misfit_of(self, kept: Tensor) -> Callable[[Tensor], np.ndarray]:
@@ -435,8 +454,9 @@ def _complete_the_missing(
     # smoothness is a prior, not a proof: the next layer has the last word
     free = mixture.sources(normals)[missing]
     free = free / torch.linalg.norm(free, dim=1, keepdim=True)
-    solved = {i: _along_free_directions(im, free) if im.misfit_at > EXACT_RTOL else im for i, im in solved.items()}
-    completed = [i for i in solved if solved[i].misfit_at <= EXACT_RTOL]
+    tol = mixture.exact_rtol
+    solved = {i: _along_free_directions(im, free, tol) if im.misfit_at > tol else im for i, im in solved.items()}
+    completed = [i for i in solved if solved[i].misfit_at <= tol]
     space, coords = mixture.space, mixture.coords
     rows = torch.zeros(len(normals), space.shape[1], dtype=space.dtype)
     for i, im in solved.items():
@@ -493,7 +513,7 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     # images' B, as an m x n matrix of iid noise of std sigma has sigma (sqrt(m) + sqrt(n))
     noise = float(svd.S[b] / (dw.shape[0] ** 0.5 + dw.shape[1] ** 0.5)) if svd.S.numel() > b else 0.0
     bias = grads[layer.bias] if layer.bias is not None else None
-    mixture = _Mixture(model, found, coords, space, grads[nxt.weight], bias, noise)
+    mixture = _Mixture(model, found, coords, space, grads[nxt.weight], bias, noise, svd.S)
     if job.p > 0:  # dropout's zeros pin each image down exactly (separation.refine_by_zeros)
         refined = refine_by_zeros(coords, normals, job.p, noise)
         normals = refined.normals
@@ -519,7 +539,7 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     misfits = [solved[i].misfit_at for i in range(b)]
     images = images_from_rows(torch.stack([solved[i].row for i in range(b)])[:, None], layer.pixels, found.input_shape)
     extra |= {"scale_from": "bias" if bias is not None else "next layer", "scale_misfits": misfits}
-    return Solution(images, _rank(dw), b, max(misfits), extra)
+    return Solution(images, _rank(dw), b, max(misfits), extra, mixture.exact_rtol)
 
 
 # -- (c) the classifier's input features: a constraint, not an image ----------------------------------
