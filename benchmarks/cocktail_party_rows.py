@@ -32,8 +32,9 @@ def cell(out: Path, dataset: str, p: float, batch: int, victims: int) -> tuple[l
     return json.loads((folder / "metrics.json").read_text()), per_image(folder)
 
 
-def per_image(folder: Path) -> list[float]:
-    """Each image's [0,1] SSIM: the run's reconstructions against its victims, matched by distance."""
+def per_image(folder: Path, attack: str = "cocktail_party") -> list[float]:
+    """Each image's [0,1] SSIM: the run's reconstructions by ``attack`` against its victims, matched by
+    distance (empty where the attack did not run on the folder's jobs)."""
     from safetensors.torch import load_file
 
     from attacker.config import load_config
@@ -46,7 +47,10 @@ def per_image(folder: Path) -> list[float]:
     out = []
     for job, oracle in zip(jobs, oracles):
         spec = get_spec(job.spec.dataset, job.spec.input_shape[0])
-        recon = tensors[f"{job.job_id}/cocktail_party/images"]
+        key = f"{job.job_id}/{attack}/images"
+        if key not in tensors:
+            continue
+        recon = tensors[key]
         out += score_batch(oracle.images, recon, spec.mean, spec.std)["metrics"]["ssim_std"]["per_image"]
     return out
 
