@@ -328,12 +328,23 @@ def fig_closed_forms(pg: Pages) -> Figure:
 
 
 def fig_cocktail_party(pg: Pages) -> Figure:
-    t = pg.find("cocktail_party.md", "data", "p", "B", "images recognisable")
+    # the page's first table is the latest sweep; a cell it did not re-run (p = 0: ICA alone) from the earlier one
+    latest, earlier = (pg.find("cocktail_party.md", "data", "p", "B", "images recognisable", nth=k) for k in (0, 1))
+    key = ("data", "p", "B")
+    seen = {tuple(latest.get(r, c) for c in key) for r in latest.rows}
+    t = Table(
+        latest.page,
+        latest.section,
+        latest.header,
+        latest.rows + [r for r in earlier.rows if tuple(earlier.get(r, c) for c in key) not in seen],
+    )
     fig = Figure(figsize=(8, 3.4))
     axes = fig.subplots(1, 2, sharey=True)
     for ax, data in zip(axes, ("mnist", "cifar10")):
         for p, color in (("0", "black"), ("0.25", "tab:blue"), ("0.5", "tab:orange")):
-            sel = [r for r in t.rows if t.get(r, "data") == data and t.get(r, "p") == p]
+            sel = sorted(
+                (r for r in t.rows if t.get(r, "data") == data and t.get(r, "p") == p), key=lambda r: int(t.get(r, "B"))
+            )
             bs = [int(t.get(r, "B")) for r in sel]
             ax.plot(
                 bs,
