@@ -35,7 +35,7 @@ from fedsim.run_config import SETTINGS, RunConfigError, model_options
 from .attacks import CLOSED_FORM_GROUP, PRESETS, REPLAY_ORDERS, AttackConfigError
 from .closed_form.solvers import SOLVERS
 from .config import DEVICES, ConfigError, RunConfig, parse_config, read_config_data
-from .engine.runner import CheckpointError
+from .engine.checkpoints import CheckpointError
 from .live import watch
 from .pipeline import RunDirError, run_attack
 from .profiles import DEFAULT_PROFILE, PROFILES

@@ -17,7 +17,7 @@ from fedsim.run_config import DEFAULTS, LABEL_POLICIES, RunConfigError, from_run
 from fedsim.task import local_plan
 
 from .attacks import AttackConfig, AttackConfigError, attack_names, make_attack
-from .engine.inversion import CHECKPOINT_EVERY
+from .engine.checkpoints import CHECKPOINT_EVERY
 from .engine.optimizers import ATTACK_OPTIMIZERS
 from .profiles import BASE_PROFILE, DEFAULT_PROFILE, ProfileError, check_profile, profile_settings
 

@@ -38,10 +38,6 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
-from torchmetrics.functional.image import (
-    peak_signal_noise_ratio,
-    structural_similarity_index_measure,
-)
 
 from fedsim.atomic import atomic_path
 from fedsim.data import denormalize_stats
@@ -94,6 +90,10 @@ def image_metrics(originals: Tensor, recons: Tensor, mean: Sequence[float], std:
     Both inputs are *normalized* tensors (as fed to the model). Returns a dict with the keys of
     :data:`IMAGE_METRICS`, each a float tensor of shape (N,).
     """
+    # Imported here: torchmetrics pulls in torchvision and torch._dynamo (about 2 s), which the CLIs'
+    # processes that score nothing (a bad value, `presets`, a refused config) need not import.
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
     _check_pair(originals, recons)
     x = originals.detach().float()
     y = recons.detach().float()

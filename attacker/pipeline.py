@@ -19,7 +19,6 @@ from .closed_form.run import SOLVED, ClosedForms
 from .config import ConfigError, RunConfig, dump_config
 from .engine.lbfgs import lbfgs_fits
 from .engine.replay import unroll_bytes
-from .engine.runner import check_batch_sizes, run_jobs
 from .jobs import (
     BatchOrderError,
     JobResult,
@@ -88,6 +87,9 @@ def load_jobs(
 ) -> tuple[list[VictimJob], list[Oracle | None]]:
     """The victim jobs of a config, with their oracles (None where there is no ground truth).
     ``only`` restricts a captures run to the given capture folders (live attacks)."""
+    # The engine's runner imports Lightning (about 2 s): only commands that load jobs pay for it.
+    from .engine.runner import check_batch_sizes
+
     v = cfg.victims
     if v.source == "captures":
         paths = only if only is not None else capture_paths(v.captures)  # type: ignore[arg-type]
@@ -256,6 +258,8 @@ def run_attack(
     only: list[Path] | None = None,
 ) -> dict[str, Any]:
     """Run every configured attack on every victim and write the run folder. Returns the summary."""
+    from .engine.runner import run_jobs  # Lightning: see load_jobs
+
     run_dir = Path(run_dir)
     resuming = prepare_run_dir(run_dir)
     if resuming:

@@ -11,7 +11,6 @@ from fedsim.data import get_spec
 from fedsim.defenses import NO_DEFENSE
 
 from .closed_form.solvers import follows_labels
-from .curves import iterations_to
 from .jobs import JobResult, Oracle, VictimJob
 from .metrics import LpipsScorer, mask_metrics, score_batch
 
@@ -25,6 +24,8 @@ def score_results(
     lpips: LpipsScorer | None = None,
 ) -> list[dict[str, Any]]:
     """One row per job: what was attacked, how the optimization ended, and every metric."""
+    from .curves import iterations_to  # attacker.curves imports Lightning: not at the CLI's import
+
     priors = prior_images(oracles)
     prior_ssim: dict[str, float] = {}
     rows = []

@@ -3,9 +3,11 @@
 A deployment starts the processes, runs federations with capture on, reads the captures back from
 the run folder, and checks that every process it started (and every process those started: the
 SuperExecs, ServerApp and ClientApp processes) is gone afterwards, by pid. Each run costs a
-ClientApp process per node and round (about 50 s a run on 2 cores), so one run serves several
-tests where it can (the killed run below). The `fedsim deploy-local` command, with TLS and SuperNode
-authentication, is run in tests/test_commands.py.
+ClientApp process per node and message (a round of SecAgg+ is four messages), about 20 s each on 2
+busy cores, so one run serves several tests where it can (the killed run below), and the runs are
+one round: a SuperNode serving several messages of a run is met in the SecAgg+ run and the killed
+run. The `fedsim deploy-local` command, with TLS and SuperNode authentication, is run in
+tests/test_commands.py.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _config(run_dir: Path, **extra: Any) -> dict[str, Any]:
 
 def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = _config(run_dir)
+    cfg = _config(run_dir, **{"num-server-rounds": 1})
     with LocalDeployment(2, tmp_path / "work") as dep:
         direct = {name: proc.pid for name, proc in dep.procs.items()}
         assert set(direct) == {"superlink", "supernode-0", "supernode-1"}
@@ -80,11 +82,11 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
 
     # the same run folder as the simulation: results, rounds, captures readable by load_capture
     results = json.loads((run_dir / "results.json").read_text())
-    assert results["rounds_run"] == 2 and results["num_captures"] == 4
-    assert [row["num_replies"] for row in results["rounds"]] == [0, 2, 2]
+    assert results["rounds_run"] == 1 and results["num_captures"] == 2
+    assert [row["num_replies"] for row in results["rounds"]] == [0, 2]
     captures = [load_capture(p) for p in list_captures(run_dir)]
-    assert len(captures) == 4
-    assert {(c.round, c.client) for c in captures} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert len(captures) == 2
+    assert {(c.round, c.client) for c in captures} == {(1, 0), (1, 1)}
     assert all(c.kind == "gradient" and c.batch_size == 2 and c.labels is not None for c in captures)
     # audit mode is off in a deployment: the server never gets the clients' ground truth
     assert json.loads((run_dir / "config.json").read_text())["audit"] is False
@@ -185,6 +187,30 @@ def test_a_port_taken_before_the_process_binds_it_is_replaced(tmp_path: Path, mo
         for squatter in squatters.values():
             squatter.close()
     assert dep.running() == [] and marked_pids(dep.marker) == []
+
+
+def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
+    """run()'s timeout: a `flwr run` that never ends (a stand-in script named flwr, as a hung stream
+    would) is killed and reported with the timeout, and nothing of it keeps running."""
+    import sys
+    import time
+
+    from fedsim.deployment import DeploymentError
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    flwr = bin_dir / "flwr"
+    hangs = "import time\nprint('Successfully started run 7', flush=True)\ntime.sleep(60)\n"
+    flwr.write_text(f"#!{sys.executable}\n{hangs}")
+    flwr.chmod(0o755)
+    dep = LocalDeployment(1, tmp_path / "work", bin_dir=bin_dir)
+    dep.work_dir.mkdir(parents=True)
+    started = time.monotonic()
+    with pytest.raises(DeploymentError, match="did not finish within 2 s"):
+        dep.run(_config(tmp_path / "run"), timeout=2)
+    assert time.monotonic() - started < 30
+    assert dep.procs["flwr-run"].returncode is not None  # killed and waited for
+    assert dep.running() == []
 
 
 @dataclass

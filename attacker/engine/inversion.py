@@ -28,6 +28,7 @@ from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from ..attacks import AttackConfig
 from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
+from .checkpoints import CHECKPOINT_EVERY
 from .features import FeatureTargets
 from .masks import mask_mode
 from .matching import Matcher
@@ -36,8 +37,6 @@ from .optimizers import ATTACK_OPTIMIZERS
 from .replay import smoothing_end
 from .state import JobState
 from .unknowns import Unknowns
-
-CHECKPOINT_EVERY = 250  # iterations per Lightning "epoch": the checkpoint interval
 
 
 def check_group(jobs: list[VictimJob], attacks: list[AttackConfig]) -> None:

@@ -22,8 +22,9 @@ from fedsim.models import ModelSpec, model_family
 from ..attacks import AttackConfig
 from ..curves import SSIMCurve
 from ..jobs import JobResult, Oracle, VictimJob, model_from_job
+from .checkpoints import CHECKPOINT_EVERY, CheckpointError
 from .gradients import PerJobGradients
-from .inversion import CHECKPOINT_EVERY, InversionModule
+from .inversion import InversionModule
 from .optimizers import ATTACK_OPTIMIZERS
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,6 @@ class EpochCheckpoint(Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         with atomic_path(self.path) as tmp:
             trainer.save_checkpoint(tmp)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint in the run folder that cannot be read safely."""
 
 
 def _check_checkpoint(path: Path) -> None:

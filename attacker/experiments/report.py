@@ -15,7 +15,6 @@ from matplotlib.figure import Figure
 from fedsim.atomic import atomic_write
 
 from ..attacks import CLOSED_FORM_GROUP, CLOSED_FORMS
-from ..curves import time_to
 from ..report import SUMMARY_KEYS, csv_text, figure_png, fmt_mean_std
 from .frontier import defense_fields, epsilon_text, frontier_figure, level_text
 from .layout import accuracy_dir, cell_dir, run_state
@@ -64,6 +63,8 @@ def time_to_paper(run_dir: Path, attack: str, metrics: list[dict], target: float
     iteration of its jobs, times that iteration."""
     if target is None or not (run_dir / "ssim_curves.csv").is_file():
         return None, None
+    from ..curves import time_to  # attacker.curves imports Lightning: not at the CLI's import
+
     points: dict[str, list[tuple[int, float]]] = {}
     with open(run_dir / "ssim_curves.csv", newline="") as f:
         for r in csv.DictReader(f):

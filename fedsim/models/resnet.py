@@ -6,7 +6,6 @@ from __future__ import annotations
 from functools import partial
 
 from torch import nn
-from torchvision.models import resnet18
 
 from .dropout import MaskedDropout
 
@@ -30,6 +29,10 @@ def build_resnet18(num_classes: int, p: float, norm: str = "group", stem: str = 
         raise ValueError(f"unknown norm {norm!r}: use one of {NORMS}")
     if stem not in STEMS:
         raise ValueError(f"unknown stem {stem!r}: use one of {STEMS}")
+    # Imported here: torchvision (with torch._dynamo, about 2 s) stays out of every process that
+    # imports the model registry but builds no ResNet (the CLIs, the ClientApp of an MLP run).
+    from torchvision.models import resnet18
+
     model = resnet18(weights=None, num_classes=num_classes, norm_layer=norm_layer)
     if stem == "cifar":
         # Replaced after torchvision's init, which draws conv1 first: only conv1's weights differ from
