@@ -368,6 +368,24 @@ def fig_cocktail_party(pg: Pages) -> Figure:
     return finish(fig, axes, "Cocktail Party + dropout's zeros on the MLP: images recovered against B")
 
 
+def fig_deployed(pg: Pages) -> Figure:
+    t = pg.find("deployed.md", "cell", "WIIG (oracle)", "DIA")
+    series = (("WIIG (oracle)", "tab:gray"), ("DIA", "tab:blue"), ("closed form", "tab:green"))
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
+    width = 0.8 / len(series)
+    for k, (col, color) in enumerate(series):
+        shares = []
+        for r in t.rows:
+            cell = t.get(r, col)
+            shares.append(pairs(cell)[0] / pairs(cell)[1] if " of " in cell else 0.0)
+        ax.bar([i + (k - 1) * width for i in range(len(t.rows))], shares, width, color=color, label=col)
+    ax.set_xticks(range(len(t.rows)), [t.get(r, "cell").removeprefix("mlp-mnist-") for r in t.rows], rotation=30)
+    ax.set(ylabel="images recognisable (share)", ylim=(0, 1.05))
+    ax.legend(fontsize=7)
+    return finish(fig, [ax], "Deployed settings, MLP / MNIST p = 0.25: images recognisable per cell")
+
+
 def fig_ssim_spaces(pg: Pages) -> Figure:
     t = pg.find("ssim_spaces.md", "cell", "paper", "paper space", "[0,1]", "min-max")
     labels = [t.get(r, "cell") for r in t.rows]
@@ -724,6 +742,7 @@ FIGURES: dict[str, Callable[[Pages], Figure]] = {
     "headline": fig_headline,
     "closed_forms": fig_closed_forms,
     "cocktail_party": fig_cocktail_party,
+    "deployed": fig_deployed,
     "ssim_spaces": fig_ssim_spaces,
     "profiles": fig_profiles,
     "table1_mlp": fig_table1_mlp,
