@@ -70,11 +70,19 @@ def pytest_configure(config: pytest.Config) -> None:
         _share_the_cores(1)
 
 
+# ``-n auto``'s workers per core (pytest_xdist_auto_num_workers below): 3 workers on 2 cores. Many tests
+# mostly wait (on Flower's SuperLink, SuperNodes and app processes, Ray, the CLIs' subprocesses, polls),
+# so a third worker fills the cores while two wait. Measured back to back on the same tree, 2 cores
+# shared with others' jobs: -n 2 962 s (load average 5.0 at the start, 9.1 at the end), -n 3 864 s
+# (9.1, then 8.2), both with 1 torch thread per worker.
+WORKERS_PER_CORE = 1.5
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker per core, at least 2 (much of the suite waits on processes starting:
-    Ray, Flower's SuperLink and SuperNodes, the CLIs, so two overlap even on one core) and at most 4
-    (each worker imports torch, Flower and Ray for itself, and runs its own Ray per simulation)."""
-    return min(4, max(2, _cores()))
+    """``-n auto``: WORKERS_PER_CORE workers per core, at least 2 (much of the suite waits on processes
+    starting: Ray, Flower's SuperLink and SuperNodes, the CLIs, so two overlap even on one core) and at
+    most 4 (each worker imports torch, Flower and Ray for itself, and runs its own Ray per simulation)."""
+    return min(4, max(2, round(_cores() * WORKERS_PER_CORE)))
 
 
 # Scheduling on pytest-xdist's workers (pytest_xdist_make_scheduler below): each group runs on one

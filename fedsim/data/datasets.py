@@ -192,9 +192,10 @@ def _try_torchvision(
     source: TorchvisionFiles, root: Path, train: bool, spec: DatasetSpec, download: bool, timeout_s: float
 ) -> Dataset | None:
     """The torchvision dataset from disk, or after a time-limited download; None if neither."""
-    if not download and not (root / source.folder).is_dir():
-        # torchvision would find no files either; not importing it saves about 2 s in each process
-        # that loads a split from the offline sample (every ClientApp process of a deployment).
+    if not download and not (root / Path(source.folder).parts[0]).is_dir():
+        # No dataset folder (MNIST/, whose raw/ or legacy processed/ torchvision reads): torchvision
+        # would find no files either. Not importing it saves about 2 s in each process that loads a
+        # split from the offline sample (every ClientApp process of a deployment).
         return None
     from torchvision import datasets as tvd
 
