@@ -14,7 +14,7 @@ from attacker.config import RunConfig
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "experiments").glob("*.yaml"))
 EXPECTED = {
     *("table1", "fig5a", "fig5b", "fig5c", "table2", "table3", "table4"),  # the paper's
-    *("fedavg", "defenses", "strategies", "dp_sgd", "closed_form"),  # beyond the paper
+    *("fedavg", "defenses", "strategies", "dp_sgd", "closed_form", "deployed"),  # beyond the paper
 }
 
 
