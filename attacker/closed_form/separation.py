@@ -192,6 +192,9 @@ def refine_by_zeros(
         on = holds(n)
         return any(int((on & ~holds(m)).sum()) < dim for m in others)
 
+    def is_new(n: Tensor, planes: list[Tensor]) -> bool:
+        return all(float((n @ m).abs()) < 1 - 1e-6 for m in planes)
+
     def search(pool: Tensor) -> Tensor | None:
         for _ in range(trials // 500):
             found = _candidates(unit, pool, 500, gen)
@@ -200,8 +203,7 @@ def refine_by_zeros(
                 if counts[k] < need:
                     break
                 cand = torch.linalg.svd(unit[holds(found[k])], full_matrices=True).Vh[-1]
-                new = all(float((cand @ m).abs()) < 1 - 1e-6 for m in normals.values())
-                if new and not spurious(cand, list(normals.values())):
+                if is_new(cand, list(normals.values())) and not spurious(cand, list(normals.values())):
                     return cand
         return None
 
@@ -209,9 +211,6 @@ def refine_by_zeros(
         for b in list(normals):
             if spurious(normals[b], [m for c, m in normals.items() if c != b]):
                 del normals[b]
-
-    def is_new(n: Tensor, planes: list[Tensor]) -> bool:
-        return all(float((n @ m).abs()) < 1 - 1e-6 for m in planes)
 
     # the reweighted search first: rounds of random starts until every image's plane is found or
     # SEARCH_PATIENCE rounds in a row find none new; each plane that holds enough rows is refitted to all it holds
