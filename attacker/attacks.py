@@ -53,6 +53,9 @@ class AttackConfig:
     # the dummies' start: random (N(0, 1), the paper's) or closed_form (a solver's answer where one
     # applies, exact or partial; random elsewhere)
     image_init: str = "random"
+    # hold the dummies in the images' span, the row space of the first Linear's gradient (engine/span.py:
+    # a first Linear on the flattened image and a one-step gradient or an SGD update; ignored elsewhere)
+    image_span: bool = False
     tv_weight: float | None = None  # None: 1e-5 for MLP and ViT, 1e-2 for LeNet and ResNet
     lr: float = 0.1
     signed_gradients: bool = True
@@ -150,6 +153,9 @@ PRESETS: dict[str, AttackConfig] = {
     # DIA started from a closed form's answer, exact or partial (a batch's separation put in the labels'
     # order): where the closed form leaves images unresolved, the optimization goes on from there
     "dia_cf": AttackConfig("dia_cf", masks="learn", image_init="closed_form"),
+    # DIA with the dummies held in the images' span read off the first Linear's gradient (B x B unknowns
+    # per batch instead of B x pixels): batches of 16-64 and SGD rounds of an MLP
+    "dia_span": AttackConfig("dia_span", masks="learn", image_span=True),
 }
 ALIASES = {"ig": "ig_eval", "dia-april": "dia_april", "ig-eval": "ig_eval", "ig-train": "ig_train"}
 

@@ -137,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run of the same captures is reused",
     )
     audit.add_argument(
-        "--attacks", nargs="+", help="attack presets (default: ig_eval dia, and wiig as the oracle's bound)"
+        "--attacks",
+        nargs="+",
+        help="attack presets (default: closed_form ig_eval dia dia_span, each where it applies, and wiig as the "
+        "oracle's bound)",
     )
     audit.add_argument("--iterations", type=int, help="iteration cap per job (default: the profile's, paper 20000)")
     audit.add_argument("--threshold", type=float, help="recognisable: [0,1] SSIM >= this, in (0, 1] (default 0.6)")

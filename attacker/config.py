@@ -74,6 +74,9 @@ class RunConfig:
     lpips: bool = True
     checkpoint_every: int = CHECKPOINT_EVERY
     profile: str = DEFAULT_PROFILE  # the attack settings per model family (attacker.profiles)
+    # an attack that needs what a capture may lack (dia_span: the images' span) is skipped, the reason kept,
+    # where a job lacks it (the audit's defaults), instead of refused (an attack the user named)
+    skip_inapplicable: bool = False
     max_unroll_gb: float = 8.0  # memory for replaying FedAvg updates: groups are sized to fit, larger rounds refused
 
     def attack_configs(self) -> list[AttackConfig]:
@@ -195,6 +198,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
     if not isinstance(cfg.attacks, list) or not cfg.attacks:
         raise ConfigError("attacks must be a non-empty list of attack names")
+    _expect(cfg.skip_inapplicable, bool, "skip_inapplicable")
     _expect(cfg.max_unroll_gb, (int, float), "max_unroll_gb")
     if not cfg.max_unroll_gb > 0:
         raise ConfigError(f"max_unroll_gb must be positive, got {cfg.max_unroll_gb}")

@@ -19,6 +19,7 @@ from .closed_form.run import SOLVED, ClosedForms
 from .config import ConfigError, RunConfig, dump_config
 from .engine.lbfgs import lbfgs_fits
 from .engine.replay import unroll_bytes
+from .engine.span import span_reason
 from .jobs import (
     BatchOrderError,
     JobResult,
@@ -166,6 +167,7 @@ class Pairs:
     scoring_jobs: list[VictimJob] = field(default_factory=list)
     scoring_oracles: list[Oracle | None] = field(default_factory=list)
     origin: list[int] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # per attack that applies to no job, why
 
     def best_of_restarts(self, results: list[JobResult]) -> list[JobResult]:
         """Per scoring entry, its restart with the lowest loss (never chosen by the ground truth),
@@ -195,6 +197,14 @@ def _pair(
     for attack in attack_cfgs:
         if attack.solver:
             continue  # a closed form is solved, not optimized (closed_form_pairs)
+        if attack.image_span:  # the dummies held in the images' span: every job must have one
+            refused = [r for r in (span_reason(j, models(j)) for j in jobs) if r is not None]
+            if refused:
+                line = f"{attack.name} holds the dummies in the span of the first Linear's gradient; {refused[0]}"
+                if not cfg.skip_inapplicable:
+                    raise ConfigError(line)
+                pairs.skipped[attack.name] = line
+                continue
         for job, oracle in zip(jobs, oracles):
             if job.plan is not None and not attack.replay:  # the baseline: Δ/(lr·K) as one gradient
                 if attack.receives_oracle:
@@ -272,10 +282,11 @@ def run_attack(
     forms = ClosedForms()
     closed = closed_form_pairs(forms, jobs, oracles, cfg)
     pairs = _pair(jobs, oracles, attack_cfgs, cfg)
+    closed.skipped.update(pairs.skipped)  # one record of what did not run, and why (closed_form.json)
     all_jobs = pairs.jobs
     if not all_jobs and not closed.solves:
         if closed.skipped and len(closed.skipped) == len(attack_cfgs):
-            raise ConfigError("no closed form applies:\n" + "\n".join(closed.skipped.values()))
+            raise ConfigError("no attack applies:\n" + "\n".join(closed.skipped.values()))
         raise ConfigError("nothing to attack: no victim job fits the chosen attacks")
     group_cap = _unroll_cap(all_jobs, cfg.max_unroll_gb)
     atomic_write(run_dir / "config.yaml", dump_config(cfg))
@@ -284,7 +295,7 @@ def run_attack(
     what = "victim batches" if jobs[0].plan is None else f"client updates of {len(jobs[0].steps)} local steps"
     if jobs[0].plan is not None and jobs[0].plan.proximal_mu:  # the replay includes FedProx's term
         what += f" (FedProx, mu {jobs[0].plan.proximal_mu:g})"
-    ran = [a for a in attack_cfgs if a.solver not in closed.skipped]
+    ran = [a for a in attack_cfgs if (a.solver or a.name) not in closed.skipped]
     log(
         f"{len(all_jobs) + len(closed.solves)} victim jobs: {len(jobs)} {what} x {len(ran)} attacks "
         f"({', '.join(a.name for a in ran)}), {spec.name}/{spec.dataset}, p={spec.p}, B={jobs[0].batch_size}"

@@ -309,7 +309,7 @@ def test_cli_refuses_a_closed_form_that_does_not_apply(tmp_path: Path, capsys: p
     assert not out.exists()
     out = tmp_path / "group"
     code, text = _run([*base, "--attacks", "closed_form", "--out", str(out)], capsys)
-    assert code == 2 and "no closed form applies" in text
+    assert code == 2 and "no attack applies" in text
     assert "vit_patches needs" in text and "first_linear needs" in text and not out.exists()
 
 

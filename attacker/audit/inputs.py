@@ -18,7 +18,9 @@ THRESHOLD_METRIC = "ssim_std"  # SSIM on images mapped back to [0,1]: the space 
 # Closed forms first (one shot: an exact leak is found before any optimization), then IG and DIA;
 # plus wiig (the oracle's bound) when the run kept the oracle. A closed form that does not apply is
 # skipped, its reason in the report.
-DEFAULT_ATTACKS = (CLOSED_FORM_GROUP, "ig_eval", "dia")
+# dia_span where the captures give the images' span (a first Linear, a gradient or an SGD round), skipped
+# with the reason elsewhere, as the closed forms that do not apply
+DEFAULT_ATTACKS = (CLOSED_FORM_GROUP, "ig_eval", "dia", "dia_span")
 IMAGE_KEYS = ("ssim_paper", "ssim_std", "ssim_minmax", "psnr_paper", "lpips")
 
 
@@ -111,6 +113,7 @@ def attack_config(out: Path, run_dir: Path, options: AuditOptions, reuse: bool) 
             "device": options.device or "auto",
             "lpips": options.lpips,
             "profile": options.profile or DEFAULT_PROFILE,
+            "skip_inapplicable": not options.attacks,  # the defaults: each where it applies
         }
     )
 

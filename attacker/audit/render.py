@@ -18,6 +18,8 @@ LABELS = {
     "april": "APRIL",
     "dia_april": "DIA+APRIL",
     "dia_onestep": "DIA on Δ/(lr·K)",
+    "dia_span": "DIA in the images' span",
+    "dia_cf": "DIA from the closed form",
     "vit_patches": "the closed-form patch solve",
     "first_linear": "the closed-form first-Linear solve",
 }
@@ -68,8 +70,9 @@ def verdict(setting: dict[str, Any], summary: dict[str, Any], threshold: float) 
             f"{summary['iterations_cap']:,} iterations per job, not a guarantee: longer or stronger attacks, "
             "or a lower threshold, may find more."
         )
-        if summary.get("closed_forms_skipped") and not any(a in SOLVERS for a in summary["server_attacks"]):
-            text += f" No closed-form attack applies ({', '.join(summary['closed_forms_skipped'])}: see the report)."
+        solvers = [a for a in summary.get("closed_forms_skipped", []) if a in SOLVERS]
+        if solvers and not any(a in SOLVERS for a in summary["server_attacks"]):
+            text += f" No closed-form attack applies ({', '.join(solvers)}: see the report)."
     bound = summary.get("oracle_bound")
     if bound:
         text += (

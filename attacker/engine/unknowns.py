@@ -25,6 +25,7 @@ from ..closed_form.run import ClosedForms
 from ..jobs import Oracle, VictimJob
 from .job_adam import _rows_view, adam_factors, adam_rows_
 from .masks import MaskContext, mask_mode
+from .span import image_span
 
 
 def job_seed(job: VictimJob, attack: AttackConfig, seed: int) -> int:
@@ -61,6 +62,8 @@ class Unknowns(nn.Module):
         learn_rows: list[list[Tensor]] = [[] for _ in mask_shapes]
         const_rows: list[list[Tensor]] = [[] for _ in mask_shapes]
         self.mask_slots: list[list[tuple[str, int]]] = []
+        # per job, where the attack holds its dummies in the images' span: that span's basis (span.py)
+        spans: list[Tensor | None] = [image_span(job, model) if a.image_span else None for job, a in zip(jobs, attacks)]
         for j, (job, attack) in enumerate(zip(jobs, attacks)):
             gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
             start = torch.randn(job.batch_size, *first.spec.input_shape, generator=gen)
@@ -90,7 +93,14 @@ class Unknowns(nn.Module):
             self.mask_slots.append([(kind, len(rows[layer])) for layer in range(len(init))])
             for layer, m in enumerate(init):
                 rows[layer].append(m)
-        self.image_stack = nn.Parameter(torch.stack(images))
+        pixels, batch = int(torch.Size(first.spec.input_shape).numel()), first.batch_size
+        self.register_buffer(
+            "span_bases",
+            torch.stack([s.float() if s is not None else torch.zeros(pixels, batch) for s in spans]),
+            persistent=False,
+        )
+        self.register_buffer("spanned", torch.tensor([s is not None for s in spans]), persistent=False)
+        self.image_stack = nn.Parameter(self.in_span(torch.stack(images), self.spanned))
         self.mask_stacks = nn.ParameterList(
             nn.Parameter(torch.stack(r) if r else torch.zeros(0, *shape)) for r, shape in zip(learn_rows, mask_shapes)
         )
@@ -111,6 +121,15 @@ class Unknowns(nn.Module):
         self.register_buffer("signed", torch.tensor([a.signed_gradients for a in attacks]), persistent=False)
         self.register_buffer("boxed", torch.tensor([a.boxed for a in attacks]), persistent=False)
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
+
+    def in_span(self, stack: Tensor, rows: Tensor) -> Tensor:
+        """``stack`` with the dummies of the jobs in ``rows`` (a mask over jobs) projected on their span."""
+        if not bool(rows.any()):
+            return stack
+        flat = stack.reshape(stack.shape[0], stack.shape[1], -1)  # (V, B, pixels)
+        bases = self.span_bases.to(flat.dtype)
+        projected = torch.bmm(torch.bmm(flat, bases), bases.transpose(1, 2)).reshape(stack.shape)
+        return torch.where(_rows_view(rows.to(stack.device), projected), projected, stack)
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -178,6 +197,9 @@ class Unknowns(nn.Module):
                 if bool(box.any()):
                     clamped = torch.maximum(torch.minimum(self.image_stack, self.box_high), self.box_low)
                     self.image_stack.copy_(torch.where(_rows_view(box, clamped), clamped, self.image_stack))
+                held = moving & self.spanned
+                if bool(held.any()):  # after the box: the span is certain, the box a prior
+                    self.image_stack.copy_(self.in_span(self.image_stack, held))
             for i, stack in enumerate(self.mask_stacks):
                 if stack.grad is None or not self.learn_jobs[i]:
                     continue
