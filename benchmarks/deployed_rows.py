@@ -16,7 +16,7 @@ from statistics import mean
 
 from cocktail_party_rows import RECOGNISABLE, per_image  # beside this script: its directory is on sys.path
 
-ATTACKS = ("wiig", "dia", "dia_cf")
+ATTACKS = ("wiig", "dia", "dia_span", "dia_cf")
 
 
 def row(folder: Path) -> str | None:
@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no deployed cells under {args.out / 'cells'}", file=sys.stderr)
         return 2
     print(
-        "| cell | jobs | closed form | WIIG (oracle) | DIA | DIA from the closed form (dia_cf) | s per job and attack |"
+        "| cell | jobs | closed form | WIIG (oracle) | DIA | DIA in the images' span (dia_span) "
+        "| DIA from the closed form (dia_cf) | s per job and attack |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for folder in cells:
         line = row(folder)
         if line:
