@@ -48,12 +48,15 @@ def test_walkthrough_notebook_executes(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_privacy_utility_notebook_executes_on_a_tiny_frontier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four tiny defended federations (none, local DP, central DP, pruning), attacked and tabulated,
-    with ε from Flower's accountant and the frontier figure."""
+    """Two of its four tiny defended federations (none and central DP: the table's row without a
+    guarantee and one with ε from Flower's accountant), attacked and tabulated, the comparison with no
+    defense and the frontier figure. The other two defenses: their federations in tests/test_defenses.py,
+    their ε and frontier columns in tests/test_frontier.py."""
     _kernel_or_skip()
     # 30 of the 150 attack iterations per cell (the kernel inherits the environment): the checks
     # below are the table's rows, ε and the figure, none of them the SSIM the iterations buy.
     monkeypatch.setenv("FRONTIER_ITERATIONS", "30")
+    monkeypatch.setenv("FRONTIER_CELLS", "mlp-mnist-p0.25-none,mlp-mnist-p0.25-cdp-z0.1")
     import nbformat
     from nbclient import NotebookClient
 
@@ -63,14 +66,15 @@ def test_privacy_utility_notebook_executes_on_a_tiny_frontier(tmp_path: Path, mo
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
-    assert "4 cells run" in text and "frontier figure: True" in text
+    assert "2 cells run" in text and "frontier figure: True" in text
     rows = {
         (line.split()[0], line.split()[1]): line
         for line in text.splitlines()
         if " accuracy " in line and " epsilon " in line
     }
-    assert {d for d, _ in rows} == {"none", "local-dp", "central-dp-server-clipping", "prune"}
+    assert {d for d, _ in rows} == {"none", "central-dp-server-clipping"}
     epsilon = {d: line.split("epsilon")[-1].strip() for (d, _), line in rows.items()}
-    assert epsilon["none"] == "–" and epsilon["prune"] == "–"  # no noise, no guarantee
-    assert float(epsilon["local-dp"]) > 0 and float(epsilon["central-dp-server-clipping"]) > 0
+    assert epsilon["none"] == "–"  # no noise, no guarantee
+    assert float(epsilon["central-dp-server-clipping"]) > 0
+    assert "DIA SSIM" in text and "against no defense" in text  # the last cell: central DP against none
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the frontier
