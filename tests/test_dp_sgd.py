@@ -304,16 +304,24 @@ def test_cli_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_simulation_writes_the_spent_epsilon(tmp_path: Path) -> None:
-    """`fedsim simulate --defense dp-sgd`: a Flower simulation whose results.json states each client's
-    epsilon, composed over both rounds."""
-    from fedsim.cli import main
+def test_cli_flags_run_a_federation_whose_results_state_the_spent_epsilon(tmp_path: Path) -> None:
+    """`fedsim simulate --defense dp-sgd ...`, its flags read by the CLI's own parser into the run config
+    and the federation run by the ServerApp with the ClientApp itself (mods included) on an in-process
+    grid: results.json states each client's epsilon, composed over both rounds. (Ray and the console
+    command run in tests/test_simulation.py and tests/test_commands.py.)"""
+    from flower_harness import AppGrid
 
+    from fedsim.cli import build_parser, run_config_from_args
+    from fedsim.server_app import run_server
+
+    set_task_identity()
     run_dir = tmp_path / "run"
     args = ["simulate", "--no-download", "--clients", "2", "--rounds", "2", "--local-steps", "2", "--batch-size", "8"]
     args += ["--model-options", '{"width": 64}', "--optimizer", "sgd", "--lr", "0.1", "--defense", "dp-sgd"]
     args += ["--dp-epsilon", "8", "--clip-norm", "1.0", "--run-dir", str(run_dir)]
-    assert main(args) == 0
+    cfg = run_config_from_args(build_parser().parse_args(args))
+    assert cfg["defense"] == "dp-sgd" and cfg["dp-epsilon"] == 8.0 and cfg["clip-norm"] == 1.0
+    run_server(AppGrid([1111, 2222]), cfg)
     privacy = json.loads((run_dir / "results.json").read_text())["privacy"]
     assert privacy["defense"] == "dp-sgd" and set(privacy["per_client"]) == {"0", "1"}
     assert 0 < privacy["per_round"]["1"] < privacy["per_round"]["2"] == privacy["epsilon"] <= 8.0
