@@ -4,6 +4,8 @@ strategy and the client handlers by hand."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flwr.app import Context, Message, RecordDict
 
 NODE_IDS = [1111, 2222]
@@ -100,3 +102,17 @@ class AppGrid:
             except Exception as err:  # noqa: BLE001 - any client failure is an error reply
                 replies.append(Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=delivered))
         return replies
+
+
+def run_in_process(config: dict) -> Path:
+    """``fedsim.simulation.run_simulation_job`` without Ray: the same run config and run folder, the
+    ServerApp's rounds with the ClientApp itself on an :class:`AppGrid` of ``num-clients`` nodes in this
+    process. For tests whose subject is what a federation's run folder feeds, not the simulation
+    engine (Ray runs in tests/test_simulation.py and the console commands' tests)."""
+    from fedsim.server_app import run_server
+    from fedsim.simulation import new_run_config
+
+    cfg, run_dir = new_run_config(config)
+    set_task_identity()
+    run_server(AppGrid([1000 + i for i in range(int(cfg["num-clients"]))]), cfg)
+    return run_dir

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from attacker.attacks import PRESETS
+from fedsim.capture import list_captures, list_oracles, load_capture
 from fedsim.deployment import _alive
 from fedsim.flower_env import FLWR_ENV
 
@@ -302,7 +303,13 @@ def test_fedsim_deploy_local(tmp_path: Path, data_root: Path) -> None:
     results = json.loads((run_dir / "results.json").read_text())
     assert results["rounds_run"] == 1 and results["num_captures"] == 2
     assert sorted(p.name[:10] for p in (run_dir / "captures").iterdir()) == ["r0001_c000", "r0001_c001"]
-    assert not (run_dir / "oracle").exists()
+    # each client's one-step gradient, readable by load_capture as the simulation's
+    captures = [load_capture(p) for p in list_captures(run_dir)]
+    assert {(c.round, c.client) for c in captures} == {(1, 0), (1, 1)}
+    assert all(c.kind == "gradient" and c.batch_size == 2 and c.labels is not None for c in captures)
+    # audit mode is off in a deployment: the server never gets the clients' ground truth
+    assert json.loads((run_dir / "config.json").read_text())["audit"] is False
+    assert list_oracles(run_dir) == [] and not (run_dir / "oracle").exists()
     assert logs.is_dir() and (run_dir / "rounds.csv").is_file()
     assert "completed" in out and "every process stopped" in out
     conf = (run_dir / "deployment" / "flwr-home" / "config.toml").read_text()

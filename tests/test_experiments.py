@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from flower_harness import run_in_process
 
 from attacker import experiments as ex
 from attacker.cli import main
@@ -226,10 +227,12 @@ def test_report_only_and_no_accuracy(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_federated_victims_come_from_the_curious_servers_captures(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--victim-source federated: a real one-round Flower simulation per cell, its round-1
-    captures attacked (one victim batch per client, one training step at the random init)."""
+    """--victim-source federated: a one-round federation per cell (the ServerApp and ClientApp on the
+    in-process grid: flower_harness.run_in_process, in place of Ray's engine), its round-1 captures
+    attacked (one victim batch per client, one training step at the random init)."""
+    monkeypatch.setattr(ex.run, "_run_federation", run_in_process)
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     out = tmp_path / "out"
@@ -475,11 +478,13 @@ cells:
 
 
 def test_a_cell_with_its_own_federation_attacks_its_captured_round(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real Flower simulation under the cell's defense: 2 training rounds, then round 3, audited: it is
-    captured and attacked, and the report's accuracy is the federation's after its 2 training rounds
-    (no separate accuracy federation)."""
+    """A federation under the cell's defense (the ServerApp and ClientApp, mods included, on the in-process
+    grid: flower_harness.run_in_process): 2 training rounds, then round 3, audited: it is captured and
+    attacked, and the report's accuracy is the federation's after its 2 training rounds (no separate
+    accuracy federation). Cells' federations on Ray: the privacy-utility notebook's (tests/test_notebook.py)."""
+    monkeypatch.setattr(ex.run, "_run_federation", run_in_process)
     config = tmp_path / "defended.yaml"
     config.write_text(DEFENDED)
     out = tmp_path / "out"
