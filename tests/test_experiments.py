@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from flower_harness import run_in_process
 
 from attacker import experiments as ex
 from attacker.cli import main
@@ -232,6 +231,8 @@ def test_federated_victims_come_from_the_curious_servers_captures(
     """--victim-source federated: a one-round federation per cell (the ServerApp and ClientApp on the
     in-process grid: flower_harness.run_in_process, in place of Ray's engine), its round-1 captures
     attacked (one victim batch per client, one training step at the random init)."""
+    from flower_harness import run_in_process  # here: Ray's workers import this module without tests/ on their path
+
     monkeypatch.setattr(ex.run, "_run_federation", run_in_process)
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
@@ -484,6 +485,8 @@ def test_a_cell_with_its_own_federation_attacks_its_captured_round(
     grid: flower_harness.run_in_process): 2 training rounds, then round 3, audited: it is captured and
     attacked, and the report's accuracy is the federation's after its 2 training rounds (no separate
     accuracy federation). Cells' federations on Ray: the privacy-utility notebook's (tests/test_notebook.py)."""
+    from flower_harness import run_in_process  # here: Ray's workers import this module without tests/ on their path
+
     monkeypatch.setattr(ex.run, "_run_federation", run_in_process)
     config = tmp_path / "defended.yaml"
     config.write_text(DEFENDED)
