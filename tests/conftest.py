@@ -70,13 +70,14 @@ def pytest_configure(config: pytest.Config) -> None:
         _share_the_cores(1)
 
 
-# ``-n auto``'s workers per core (pytest_xdist_auto_num_workers below): 4 workers on 2 cores. Many tests
+# ``-n auto``'s workers per core (pytest_xdist_auto_num_workers below): 3 workers on 2 cores. Many tests
 # mostly wait (on Flower's SuperLink, SuperNodes and app processes, Ray, the CLIs' subprocesses, polls),
-# so more workers than cores fill the cores while some wait. Measured on the quiet 2-core machine on
-# 2026-12-03: -n 4 650 s with the cores busy to the end (vmstat: 0 % idle until the last 30 s), -n 3
-# 700 s on the next commit (a little less work; one test failing early); the day before, on a shared
-# machine, -n 2 962 s against -n 3 864 s back to back. 1 torch thread per worker.
-WORKERS_PER_CORE = 2
+# so a third worker fills the cores while two wait. Measured back to back on the same tree, 2 cores
+# shared with others' jobs: -n 2 962 s (load average 5.0 at the start, 9.1 at the end), -n 3 864 s
+# (9.1, then 8.2), both with 1 torch thread per worker. A fourth worker did not help: the cores are
+# busy to the end at -n 4 (vmstat), and a fresh clone's pytest took 755 s at -n 4 against 702 s at
+# -n 3 earlier that day (quiet machine both times; not back to back).
+WORKERS_PER_CORE = 1.5
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

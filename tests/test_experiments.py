@@ -85,6 +85,15 @@ def test_victims_round_up_to_batches_and_missing_paper_victims(tmp_path: Path) -
         ex.build_cell_config(exp, cell, ex.Settings(data_root=str(tmp_path)))
 
 
+def test_a_grid_cell_skips_an_attack_its_model_cannot_take() -> None:
+    """deployed.yaml crosses dia_span with LeNet: the cell's config skips what does not apply (the reason
+    goes to closed_form.json: tests/test_span.py) rather than failing the cell."""
+    exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "deployed"))
+    cell = next(c for c in exp.cells if c.model == "lenet" and "dia_span" in c.attacks)
+    cfg = ex.build_cell_config(exp, cell, ex.Settings(victims=8, victim_source="builtin"))
+    assert cfg.skip_inapplicable and "dia_span" in cfg.attacks
+
+
 def test_cell_filter() -> None:
     exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "table1"))
     pick = lambda *pats: [c.id for _, c in ex.select_cells([exp], ex.Settings(cells=list(pats)))]  # noqa: E731
