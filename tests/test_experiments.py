@@ -94,6 +94,24 @@ def test_a_grid_cell_skips_an_attack_its_model_cannot_take() -> None:
     assert cfg.skip_inapplicable and "dia_span" in cfg.attacks
 
 
+def test_an_attack_a_cell_cannot_take_is_reported_skipped(tmp_path: Path) -> None:
+    """The cell runs what applies (WIIG on LeNet); dia_span, which LeNet cannot take, is 'skipped' in
+    results.md, its reason in the cell's closed_form.json."""
+    config = tmp_path / "lenet.yaml"
+    config.write_text(
+        "name: lenet\ntitle: LeNet\ncells:\n"
+        "- {id: a, model: lenet, dataset: mnist, p: 0.25, attacks: [wiig, dia_span]}\n"
+    )
+    out = tmp_path / "out"
+    args = ["experiment", str(config), "--victims", "1", "--iterations", "1", "--no-accuracy", "--no-lpips"]
+    assert main([*args, "--victim-source", "builtin", "--quiet", "--out", str(out)]) == 0
+    report = (out / "results.md").read_text()
+    assert [line.split("|")[-2].strip() for line in report.splitlines() if "| dia_span |" in line] == ["skipped"]
+    assert [line.split("|")[-2].strip() for line in report.splitlines() if "| wiig |" in line] == ["finished"]
+    closed = json.loads((out / "cells" / "lenet-a" / "closed_form.json").read_text())
+    assert "no Linear" in closed["skipped"]["dia_span"]
+
+
 def test_cell_filter() -> None:
     exp = ex.load_experiment(next(p for p in CONFIGS if p.stem == "table1"))
     pick = lambda *pats: [c.id for _, c in ex.select_cells([exp], ex.Settings(cells=list(pats)))]  # noqa: E731

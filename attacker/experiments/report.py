@@ -106,6 +106,8 @@ def collect_rows(
                 {e["attack"]: e for e in (_load_json(run_dir / "summary.json") or [])} if state == "finished" else {}
             )
             metrics = _load_json(run_dir / "metrics.json") or [] if state == "finished" else []
+            # attacks the cell's captures cannot take (skip_inapplicable): their reasons are in closed_form.json
+            skipped = (_load_json(run_dir / "closed_form.json") or {}).get("skipped", {}) if state == "finished" else {}
             acc = _accuracy(out, cell, settings) if exp.accuracy is not None and "accuracy" in cell.paper else None
             defense = defense_fields(out, cell)
             for attack in _cell_attacks(cell.attacks, summary):
@@ -124,7 +126,7 @@ def collect_rows(
                     "lambda_mask": cell.overrides.get("lambda_mask", exp.attack_overrides.get("lambda_mask")),
                     "mask_init": cell.overrides.get("mask_init", exp.attack_overrides.get("mask_init")),
                     "overrides": json.dumps({**exp.attack_overrides, **cell.overrides}, sort_keys=True),
-                    "status": state,
+                    "status": "skipped" if attack in skipped and attack not in summary else state,
                     "victims": e.get("victims"),
                     **defense,
                 }
