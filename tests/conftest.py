@@ -99,8 +99,7 @@ SLOW_FIRST = [
     "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 448: 3 runs
     "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 184: 4 federations
     "tests/test_commands.py::test_fedsim_deploy_local",  # about 230: make-certs, deploy-local with TLS
-    "tests/test_faults.py::test_one_round_with_100_clients_all_captured",  # 110
-    "tests/test_faults.py",  # 110
+    "tests/test_faults.py",  # one 100-client simulation (two tests of 110 s each before)
     "tests/test_experiments.py::test_cells_on_ray_equal_the_sequential_run",  # 106
     "tests/test_deployment.py",  # about 130: one killed (and pruned) run feeds two tests
     "tests/test_commands.py",  # about 260: one `fedsim simulate` feeds four of them
