@@ -76,7 +76,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # shared with others' jobs: -n 2 962 s (load average 5.0 at the start, 9.1 at the end), -n 3 864 s
 # (9.1, then 8.2), both with 1 torch thread per worker. A fourth worker did not help: the cores are
 # busy to the end at -n 4 (vmstat), and a fresh clone's pytest took 755 s at -n 4 against 702 s at
-# -n 3 earlier that day (quiet machine both times; not back to back).
+# -n 3 earlier that day (quiet machine both times; not back to back). Later, on the same fresh clone
+# back to back: -n 3 ran the suite in 872 s; -n 4 had finished 27 % of it after 15 min (one failure), stopped.
 WORKERS_PER_CORE = 1.5
 
 
