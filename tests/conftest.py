@@ -95,12 +95,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # the rest of its module: that fixture would be made on both workers). Groups start in this order,
 # slowest first, then the modules in collection order, so that what starts last is short. Seconds in
 # the comments: measured with 2 workers on the 2-core machine while others used it (load average
-# about 6, which inflates the federations most). A test missing here only starts later than it could.
+# about 6, which inflates the federations most); *: in a fresh clone's `make test` at d12988c (3 workers,
+# quiet machine). A test missing here only starts later than it could.
 SLOW_FIRST = [
-    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 448: 3 runs
+    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 243*: 2 runs
     "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 184: 4 federations
     "tests/test_commands.py::test_fedsim_deploy_local",  # about 230: make-certs, deploy-local with TLS
-    "tests/test_faults.py",  # one 100-client simulation (two tests of 110 s each before)
+    "tests/test_faults.py",  # 152*: one 100-client simulation for both of its tests
     "tests/test_experiments.py::test_cells_on_ray_equal_the_sequential_run",  # 106
     "tests/test_deployment.py",  # about 130: one killed (and pruned) run feeds two tests
     "tests/test_commands.py",  # about 260: one `fedsim simulate` feeds four of them
