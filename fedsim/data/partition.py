@@ -135,7 +135,10 @@ def partitioner_kwargs(
     if entry is None:
         raise PartitionError(f"unknown partitioner {name!r}; known: {', '.join(PARTITIONERS)}")
     given = parse_options(options)
-    params = entry.params()
+    # The class's signature only where there are options to check: it imports Flower Datasets
+    # (datasets, pandas, pyarrow, seaborn: about 1.5 s of CPU), which a run config check, the
+    # attacker and the ServerApp never need otherwise.
+    params = entry.params() if given else ()
     for key in given:
         if key in entry.from_config:
             raise PartitionError(f"partitioner {name}: set {key} with the run config key {entry.from_config[key]}")
