@@ -208,11 +208,18 @@ def test_fedsim_captures(simulated: Simulated) -> None:
 
 
 def test_fedsim_sweep(tmp_path: Path, data_root: Path) -> None:
-    """sweep: one federation per p, then accuracy_vs_p.csv (one row per p) and its plot."""
+    """sweep: one federation per p, then accuracy_vs_p.csv (one row per p) and its plot. The model is
+    the user's own, a file in the working folder (the example CNN copied there): the clients build it
+    in Ray's workers, which find it there as the command does."""
+    shutil.copy(ROOT / "examples" / "own_model.py", tmp_path / "my_cnn.py")
     rc, out = run(
         [
             *FEDSIM,
             "sweep",
+            "--model",
+            "my_cnn:small_cnn",
+            "--model-options",
+            '{"width": 8}',
             "--p",
             "0",
             "0.5",
@@ -239,6 +246,9 @@ def test_fedsim_sweep(tmp_path: Path, data_root: Path) -> None:
     assert (out_dir / "accuracy_vs_p.png").stat().st_size > 0
     for p in ("p0.0", "p0.5"):
         assert json.loads((out_dir / p / "results.json").read_text())["rounds_run"] == 1
+        assert json.loads((out_dir / p / "config.json").read_text())["model"] == "my_cnn:small_cnn"
+        rounds = list(csv.DictReader((out_dir / p / "rounds.csv").read_text().splitlines()))
+        assert rounds[-1]["num_replies"] == "1"  # the client built the model and trained it
     assert "wrote" in out
 
 

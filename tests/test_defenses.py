@@ -266,11 +266,15 @@ def _norms_and_density(run_dir: Path) -> list[tuple[str, float, float]]:
     return out
 
 
-def test_ray_simulation_applies_client_clipping_and_the_wrapper(base: dict[str, Any], tmp_path: Path) -> None:
-    """The simulation engine: the ClientApp's mod clips, the server's wrapper noises the aggregate."""
-    from fedsim.simulation import load_results, run_simulation_job
+def test_a_whole_run_applies_client_clipping_and_the_wrapper(base: dict[str, Any], tmp_path: Path) -> None:
+    """A whole run, the ServerApp's rounds with the ClientApp itself (its mods) on the in-process grid:
+    the ClientApp's mod clips, the server's wrapper noises the aggregate. Flower's engines call the same
+    ClientApp; a deployment's mods across processes: tests/test_deployment.py."""
+    from flower_harness import run_in_process
 
-    run_dir = run_simulation_job(
+    from fedsim.simulation import load_results
+
+    run_dir = run_in_process(
         {
             "num-clients": 2,
             "num-server-rounds": 1,

@@ -486,13 +486,15 @@ def test_federation_rejects_a_bad_model_before_writing(tmp_path: Path, capsys: p
 def test_federation_and_attack_on_the_example_cnn(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
-    """A one-round Flower simulation trains the example CNN (its clients build it in Ray workers from the
-    working folder), the curious server captures a one-step round with the oracle, and the attacker
-    attacks the captures (WIIG with the recorded masks)."""
-    from fedsim.simulation import run_simulation_job
+    """A one-round federation trains the example CNN (the ClientApp builds it by name from the working
+    folder), the curious server captures a one-step round with the oracle, and the attacker attacks the
+    captures (WIIG with the recorded masks). The federation runs on the in-process grid
+    (flower_harness): Ray workers building an own model from the working folder is
+    tests/test_commands.py's sweep."""
+    from flower_harness import run_in_process
 
     monkeypatch.chdir(ROOT)
-    run_dir = run_simulation_job(
+    run_dir = run_in_process(
         {
             "model": CNN,
             "dataset": "cifar10",
@@ -506,7 +508,6 @@ def test_federation_and_attack_on_the_example_cnn(
             "data-root": str(tmp_path / "data"),
             "run-dir": str(tmp_path / "fed"),
         },
-        quiet=True,
     )
     assert len(list((run_dir / "captures").iterdir())) == 2
     out = tmp_path / "attack"
