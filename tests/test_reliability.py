@@ -215,7 +215,7 @@ def _attack_cmd(out: Path) -> list[str]:
     cfg = out.parent / "attack.yaml"
     cfg.write_text(
         "victims: {model: mlp, dataset: mnist, p: 0.25, count: 2}\n"
-        "attacks: [dia]\nattack_overrides: {max_iterations: 200}\nlpips: false\ndevice: cpu\ncheckpoint_every: 20\n"
+        "attacks: [dia]\nattack_overrides: {max_iterations: 100}\nlpips: false\ndevice: cpu\ncheckpoint_every: 20\n"
     )
     return [sys.executable, "-m", "attacker.cli", "run", str(cfg), "--quiet", "--out", str(out)]
 
