@@ -98,12 +98,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # about 6, which inflates the federations most); *: in a fresh clone's `make test` at d12988c (3 workers,
 # quiet machine). A test missing here only starts later than it could.
 SLOW_FIRST = [
-    "tests/test_deployment.py::test_loopback_deployment_runs_the_app_and_stops_every_process",  # 243*: 2 runs
+    "tests/test_deployment.py",  # about 135: one module fixture, three runs on one deployment, feeds them all
     "tests/test_notebook.py::test_privacy_utility_notebook_executes_on_a_tiny_frontier",  # 184: 4 federations
     "tests/test_commands.py::test_fedsim_deploy_local",  # about 230: make-certs, deploy-local with TLS
     "tests/test_faults.py",  # 152*: one 100-client simulation for both of its tests
     "tests/test_experiments.py::test_cells_on_ray_equal_the_sequential_run",  # 106
-    "tests/test_deployment.py",  # about 130: one killed (and pruned) run feeds two tests
     "tests/test_commands.py",  # about 260: one `fedsim simulate` feeds four of them
     "tests/test_experiments.py",  # about 120 more
     "tests/test_fedprox.py",  # 75
@@ -111,11 +110,11 @@ SLOW_FIRST = [
     "tests/test_notebook.py::test_walkthrough_notebook_executes",  # 64
     "tests/test_simulation.py",  # about 45: one simulation feeds two tests
     "tests/test_paper_victims.py",  # 66
-    "tests/test_defenses.py",  # about 35
+    "tests/test_defenses.py",  # about 25
     "tests/test_live.py",  # 55
     "tests/test_reliability.py",  # about 60
     "tests/test_dp_sgd.py",  # about 55
-    "tests/test_own_models.py",  # about 80
+    "tests/test_own_models.py",  # about 45
     "tests/test_stochastic_depth.py",
     "tests/test_cli.py",
     "tests/test_closed_form.py",

@@ -3,9 +3,10 @@
 A deployment starts the processes, runs federations with capture on, reads the captures back from
 the run folder, and checks that every process it started (and every process those started: the
 SuperExecs, ServerApp and ClientApp processes) is gone afterwards, by pid. Each run costs a
-ClientApp process per node and message (a round of SecAgg+ is four messages), about 8 s of CPU each,
-so one run serves several tests where it can (the killed run below), and the runs are one round: a
-SuperNode serving several messages of a run is met in the SecAgg+ run and the killed run. The
+ClientApp process per node and message (a round of SecAgg+ is four messages), about 6 s of CPU each,
+so one deployment serves every run of the module (the `deployed` fixture) and each run serves several
+tests where it can: a SuperNode serving several messages of a run is met in the SecAgg+ run and the
+killed run. The
 `fedsim deploy-local` command, with TLS and SuperNode authentication, is run in tests/test_commands.py.
 """
 
@@ -52,29 +53,107 @@ def _config(run_dir: Path, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path) -> None:
+@dataclass
+class Deployed:
+    """What the module's one deployment did: a SecAgg+ round, a run that fails, then a pruned run whose
+    SuperNode 1 is killed once round 1 is captured; then every process is stopped."""
+
+    direct: dict[str, int]  # the deployment's own processes, by name, at the start
+    running_at_start: list[int]
+    secure: Any  # DeployResult of the SecAgg+ round
+    secure_status: str  # read back from the SuperLink (`flwr ls`)
+    failed: Any  # DeployResult of the run with an unknown model
+    killed: dict[str, Any]  # the killed run's outcome: "result" or "error"
+    seen_pids: set[int]
+    running: list[int]  # after the deployment stopped
+    marked: list[int]
+    returncodes: list[int | None]
+    flwr_run_log: str
+    work_dir: Path
+    superlink_port: int
+    secagg_dir: Path
+    killed_captures: list[Any]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployed:
+    """One deployment (SuperLink and two SuperNodes) serves every run of this module: starting one costs
+    half a minute of CPU on the 2-core machine. The run that kills a SuperNode goes last."""
+    import threading
+    import time
+
+    from fedsim.deployment import DeploymentError
+
+    tmp_path = tmp_path_factory.mktemp("deployed")
+    secagg_dir, killed_dir = tmp_path / "secagg", tmp_path / "killed"
+    pruned = _config(
+        killed_dir,
+        **{"num-server-rounds": 4, "local-steps": 2, "capture-kind": "update"},
+        **{"defense": "prune", "prune-fraction": 0.1},
+    )
+    killed: dict[str, Any] = {}
+    with LocalDeployment(2, tmp_path / "work") as dep:
+        direct = {name: proc.pid for name, proc in dep.procs.items()}
+        running_at_start = dep.running()
+        secure = dep.run(_config(secagg_dir, secagg=True, **{"num-server-rounds": 1}), timeout=300)
+        secure_status = dep.run_status(secure.run_id)["status"]
+        flwr_run_log = dep.log_tail("flwr-run")  # the SecAgg+ run's, for its assertion's message
+        # `flwr run --stream` exits 0 for a failed run too: the status from `flwr ls` tells
+        failed = dep.run(_config(tmp_path / "failed", model="no-such-model"), timeout=120)
+
+        def submit() -> None:
+            try:
+                killed["result"] = dep.run(pruned, timeout=90)
+            except DeploymentError as err:
+                killed["error"] = str(err)
+
+        worker = threading.Thread(target=submit)
+        worker.start()
+        deadline = time.time() + 240
+        while len([p for p in list_captures(killed_dir) if p.name.startswith("r0001")]) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        dep.procs["supernode-1"].kill()
+        worker.join(timeout=200)
+        assert not worker.is_alive(), "the run neither finished nor stopped"
+    return Deployed(
+        direct=direct,
+        running_at_start=running_at_start,
+        secure=secure,
+        secure_status=secure_status,
+        failed=failed,
+        killed=killed,
+        seen_pids=set(dep.seen_pids),
+        running=dep.running(),
+        marked=marked_pids(dep.marker),
+        returncodes=[proc.returncode for proc in dep.procs.values()],
+        flwr_run_log=flwr_run_log,
+        work_dir=tmp_path / "work",
+        superlink_port=dep.superlink_port,
+        secagg_dir=secagg_dir,
+        killed_captures=[load_capture(p) for p in list_captures(killed_dir)],  # every capture written is intact
+    )
+
+
+def test_loopback_deployment_runs_the_app_and_stops_every_process(deployed: Deployed) -> None:
     """A round of SecAgg+ (Flower's workflow and mod across processes: four messages per node) and a
     run that fails, on one deployment; then every process it started is gone. A plain captured
     round, with its per-client captures, is `fedsim deploy-local`'s (tests/test_commands.py)."""
-    run_dir = tmp_path / "secagg"
-    with LocalDeployment(2, tmp_path / "work") as dep:
-        direct = {name: proc.pid for name, proc in dep.procs.items()}
-        assert set(direct) == {"superlink", "supernode-0", "supernode-1"}
-        assert set(direct.values()) <= set(dep.running())
-        secure = dep.run(_config(run_dir, secagg=True, **{"num-server-rounds": 1}), timeout=300)
-        assert dep.run_status(secure.run_id)["status"] == COMPLETED  # read back from the SuperLink
-        # `flwr run --stream` exits 0 for a failed run too: the status from `flwr ls` tells
-        failed = dep.run(_config(tmp_path / "failed", model="no-such-model"), timeout=120)
-        assert failed.status == "finished:failed" and not failed.ok
-        assert "unknown model" in str(failed.details.get("status-details"))
+    direct = deployed.direct
+    assert set(direct) == {"superlink", "supernode-0", "supernode-1"}
+    assert set(direct.values()) <= set(deployed.running_at_start)
+    assert deployed.secure_status == COMPLETED  # read back from the SuperLink
+    assert deployed.failed.status == "finished:failed" and not deployed.failed.ok
+    assert "unknown model" in str(deployed.failed.details.get("status-details"))
     # everything stopped, by pid: the direct children and what they started (SuperExecs, apps)
-    assert secure.ok and secure.status == COMPLETED, (secure, dep.log_tail("flwr-run"))
-    assert set(direct.values()) <= dep.seen_pids and len(dep.seen_pids) > len(direct) + 1  # flwr run, SuperExecs
-    assert dep.running() == []
-    assert marked_pids(dep.marker) == []
-    assert all(proc.returncode is not None for proc in dep.procs.values())
+    secure = deployed.secure
+    assert secure.ok and secure.status == COMPLETED, (secure, deployed.flwr_run_log)
+    assert set(direct.values()) <= deployed.seen_pids and len(deployed.seen_pids) > len(direct) + 1
+    assert deployed.running == []
+    assert deployed.marked == []
+    assert all(code is not None for code in deployed.returncodes)
 
     # the same run folder as the simulation: results, rounds, the aggregate capture
+    run_dir = deployed.secagg_dir
     (aggregate,) = [load_capture(p) for p in list_captures(run_dir)]
     assert aggregate.kind == "secagg-gradient" and aggregate.aggregate.clients == [0, 1]
     assert aggregate.batch_size == 4 and aggregate.aggregate.num_examples == [2, 2]
@@ -85,8 +164,8 @@ def test_loopback_deployment_runs_the_app_and_stops_every_process(tmp_path: Path
     assert json.loads((run_dir / "config.json").read_text())["audit"] is False
     assert list_oracles(run_dir) == [] and not (run_dir / "oracle").exists()
     # the CLI's connection lived in a private FLWR_HOME, with the real SuperLink address
-    conf = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
-    assert f'address = "127.0.0.1:{dep.superlink_port}"' in conf and "insecure = true" in conf
+    conf = (deployed.work_dir / "flwr-home" / "config.toml").read_text()
+    assert f'address = "127.0.0.1:{deployed.superlink_port}"' in conf and "insecure = true" in conf
 
 
 def test_stop_never_signals_a_process_that_was_given_a_seen_pid(tmp_path: Path) -> None:
@@ -206,73 +285,21 @@ def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
     assert dep.running() == []
 
 
-@dataclass
-class KilledRun:
-    """The module's run whose SuperNode 1 is killed once round 1 is captured."""
-
-    outcome: dict[str, Any]
-    left_running: list[int]
-    marked: list[int]
-    captures: list[Any]
-
-
-@pytest.fixture(scope="module")
-def killed_run(tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
-    """SIGKILL one SuperNode of a pruned run (update captures) once round 1 is captured; the run goes on
-    until it completes with the other node or stops. One deployment serves the tests below."""
-    import threading
-    import time
-
-    from fedsim.deployment import DeploymentError
-
-    tmp_path = tmp_path_factory.mktemp("killed")
-    run_dir = tmp_path / "run"
-    cfg = _config(
-        run_dir,
-        **{
-            "num-server-rounds": 4,
-            "local-steps": 2,
-            "capture-kind": "update",
-            "defense": "prune",
-            "prune-fraction": 0.1,
-        },
-    )
-    outcome: dict[str, Any] = {}
-    with LocalDeployment(2, tmp_path / "work") as dep:
-
-        def submit() -> None:
-            try:
-                outcome["result"] = dep.run(cfg, timeout=90)
-            except DeploymentError as err:
-                outcome["error"] = str(err)
-
-        worker = threading.Thread(target=submit)
-        worker.start()
-        deadline = time.time() + 240
-        while len([p for p in list_captures(run_dir) if p.name.startswith("r0001")]) < 2 and time.time() < deadline:
-            time.sleep(0.2)
-        dep.procs["supernode-1"].kill()
-        worker.join(timeout=200)
-        assert not worker.is_alive(), "the run neither finished nor stopped"
-    captures = [load_capture(p) for p in list_captures(run_dir)]  # every capture written is intact
-    return KilledRun(outcome, dep.running(), marked_pids(dep.marker), captures)
-
-
-def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(killed_run: KilledRun) -> None:
+def test_a_supernode_killed_mid_run_stops_cleanly_and_keeps_captures(deployed: Deployed) -> None:
     """The run ends (completed with the other node, or stopped), every process goes away, and the
     captures already written stay readable."""
-    assert "result" in killed_run.outcome or "error" in killed_run.outcome
-    assert killed_run.left_running == [] and killed_run.marked == []
-    assert {(c.round, c.client) for c in killed_run.captures if c.round == 1} == {(1, 0), (1, 1)}
+    assert "result" in deployed.killed or "error" in deployed.killed
+    assert deployed.running == [] and deployed.marked == []
+    assert {(c.round, c.client) for c in deployed.killed_captures if c.round == 1} == {(1, 0), (1, 1)}
 
 
 def _density(update: dict[str, Any]) -> float:
     return sum(int((v != 0).sum()) for v in update.values()) / sum(v.numel() for v in update.values())
 
 
-def test_deployment_applies_the_prune_mod(killed_run: KilledRun) -> None:
+def test_deployment_applies_the_prune_mod(deployed: Deployed) -> None:
     """The deployment engine (SuperLink + SuperNodes on loopback) runs the same ClientApp, mods included:
     round 1's updates, which both nodes sent before the kill, are pruned to 10% of their entries."""
-    first = [c for c in killed_run.captures if c.round == 1]
+    first = [c for c in deployed.killed_captures if c.round == 1]
     assert len(first) == 2 and all(c.kind == "update" and c.defense == "prune" for c in first)
     assert all(0 < _density(c.update) <= 0.11 for c in first), [_density(c.update) for c in first]
