@@ -12,7 +12,9 @@ from pathlib import Path
 from fedsim.capture import list_captures, load_capture
 from fedsim.flower_env import FLWR_ENV
 
-ENV = dict(os.environ, **FLWR_ENV, PYTHONWARNINGS="ignore")
+# Two Ray actors, whatever the worker's share of the cores (conftest): the 200 client calls mostly
+# wait on Ray's scheduling, not on the CPU, so a second actor halves the wait.
+ENV = dict(os.environ, **FLWR_ENV, PYTHONWARNINGS="ignore", FEDSIM_RAY_CPUS="2")
 
 
 def _simulate(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
