@@ -103,3 +103,25 @@ def test_restarts_run_together_and_the_lowest_loss_is_kept(tmp_path: Path) -> No
     assert len(rows) == 2 and all(r["iterations"] == 3 for r in rows)  # one row per victim, not per start
     assert all("+restart" not in r["job"] for r in rows) and len({r["job"] for r in rows}) == 2
     assert len(result["rows"]) == 2
+
+
+def test_the_multistart_preset_runs_four_starts_per_victim_and_reports_each_victim_once(tmp_path: Path) -> None:
+    from attacker.attacks import make_attack
+    from attacker.pipeline import run_attack
+
+    assert make_attack("dia_multistart").restarts == 4 and make_attack("dia_multistart", restarts=2).restarts == 2
+    cfg = parse_config(
+        {
+            "victims": {"count": 2},
+            "attacks": ["dia_multistart"],
+            "lpips": False,
+            "attack_overrides": {"max_iterations": 3},
+        }
+    )
+    said: list[str] = []
+    run_attack(cfg, tmp_path / "run", progress=False, log=said.append)
+    assert any(m.startswith("8 victim jobs") for m in said), said  # 2 victims x 4 starts, optimized together
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert sorted(r["job"] for r in rows) == ["victim000", "victim001"] and {r["attack"] for r in rows} == {
+        "dia_multistart"
+    }
