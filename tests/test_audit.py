@@ -71,9 +71,10 @@ def test_audit_writes_the_report_with_counts_from_the_metrics(audited: Path) -> 
     for name in ("audit.md", "audit.json", "audit_grid.png", "report.md", "metrics.json"):
         assert (audited / name).stat().st_size > 0, name
     audit = json.loads((audited / "audit.json").read_text())
-    # the default: the closed forms that apply first (2 images per gradient: the Cocktail Party's separation),
+    # the default: the closed forms that apply first (2 images per gradient: the separations by dropout's zeros
+    # and by the background),
     # then IG and DIA; WIIG because the run kept the oracle
-    assert audit["attacks"] == ["cocktail_party", "ig_eval", "dia", "dia_span", "wiig"]
+    assert audit["attacks"] == ["cocktail_party", "dark_background", "ig_eval", "dia", "dia_span", "wiig"]
     assert audit["threshold"] == {"metric": "ssim_std", "space": "[0,1]", "value": 0.6}
     images = audit["images"]
     assert len(images) == 4 and {(r["client"], r["index"]) for r in images} == {(0, 0), (0, 1), (1, 0), (1, 1)}

@@ -297,7 +297,7 @@ def test_cli_runs_closed_forms_into_the_run_folder(tmp_path: Path, capsys: pytes
     assert all(r["status"] == SOLVED and r["iterations"] == 0 and r["rank"] == 1 for r in rows)
     assert all(r["ssim_paper"] > 0.99 for r in rows)
     skipped = json.loads((out / "closed_form.json").read_text())["skipped"]
-    assert set(skipped) == {"vit_patches", "cocktail_party"}  # one image per gradient: nothing to separate
+    assert set(skipped) == {"vit_patches", "cocktail_party", "dark_background"}  # one image: nothing to separate
     assert "first_linear: 2 of 2 jobs exact" in (out / "report.md").read_text()
 
 
@@ -343,7 +343,73 @@ def test_audit_runs_the_closed_forms_first_and_names_the_mechanism(
     assert code == 0, text
     audit = json.loads((out / "audit.json").read_text())
     assert audit["attacks"] == ["first_linear"]
-    assert set(audit["closed_forms_skipped"]) == {"vit_patches", "cocktail_party"}
+    assert set(audit["closed_forms_skipped"]) == {"vit_patches", "cocktail_party", "dark_background"}
     assert audit["summary"]["recognisable"] == audit["summary"]["images"] == 2
     assert "rank one and gives the image exactly" in audit["verdict"]
     assert "Skipped: vit_patches needs" in (out / "audit.md").read_text()
+
+
+def _dark_victims(spec: ModelSpec, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Images on a black background, as MNIST's: a random block of strokes on each, the rest at the box's low
+    value (normalized pixel value 0)."""
+    low, high = box_bounds(get_spec(spec.dataset, spec.input_shape[0]))
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(batch, *spec.input_shape, generator=gen) * (
+        torch.rand(batch, *spec.input_shape, generator=gen) < 0.2
+    )
+    return [(low + u * (high - low), torch.randint(0, spec.num_classes, (batch,), generator=gen))]
+
+
+@pytest.mark.parametrize("round_", ["one-step", "sgd-K2"])
+def test_dark_background_separates_a_batch_and_an_sgd_round_exactly(round_: str) -> None:
+    """B = 6 images, 80 % of each at the box's low value: in the first Linear's row space (the gradient's,
+    and an SGD round's update's alike) each image's dark pixels fix it, so every image comes back exactly,
+    claimed exact, where no one-step closed form takes the update."""
+    from attacker.metrics import match_reconstructions
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = (
+        None
+        if round_ == "one-step"
+        else LocalPlan(Schedule(epochs=2, batch_size=6, order="in-order"), OptimizerSpec("sgd", 0.05))
+    )
+    (job,), (oracle,) = jobs_from_images(spec, _dark_victims(spec, 6), plan=plan)
+    forms = ClosedForms()
+    assert forms.reason("dark_background", job) is None
+    if plan is not None:
+        assert "update of 2 local steps" in forms.reason("cocktail_party", job)
+    result = forms.solve("dark_background", job)
+    assert result.status == SOLVED and result.extras["images_separated"] == 6
+    matched = result.images[match_reconstructions(oracle.images, result.images)]
+    assert torch.allclose(matched, oracle.images, atol=1e-3)
+
+
+def test_dark_background_claims_nothing_where_the_images_have_no_background() -> None:
+    """Uniform-noise images have no pixel at the low value: no image is found, the answer is the span's
+    directions (a start for DIA), never claimed exact; an Adam round is refused with the reason."""
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    (job,), _ = jobs_from_images(spec, _victims(spec, n=1, batch=4))
+    result = ClosedForms().solve("dark_background", job)
+    assert result.status == SOLVED_INEXACT and result.extras["images_separated"] == 0
+    assert result.images.shape == (4, *spec.input_shape)
+    adam = LocalPlan(Schedule(epochs=2, batch_size=4, order="in-order"), OptimizerSpec("adam", 1e-3))
+    (update,), _ = jobs_from_images(spec, _dark_victims(spec, 4), plan=adam)
+    reason = ClosedForms().reason("dark_background", update)
+    assert "Adam's elementwise steps take it out of that span" in reason and "\n" not in reason
+
+
+def test_dark_background_takes_an_sgd_update_of_one_image() -> None:
+    """B = 1, an SGD round of 3 steps: no one-image solver takes the update; the background fixes the image
+    (and its scale) in the update's rank-one row space."""
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=3, batch_size=1, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), (oracle,) = jobs_from_images(spec, _dark_victims(spec, 1), plan=plan)
+    forms = ClosedForms()
+    assert "update of 3 local steps" in forms.reason("first_linear", job)
+    result = forms.solve("dark_background", job)
+    assert result.status == SOLVED and torch.allclose(result.images, oracle.images, atol=1e-3)

@@ -23,6 +23,7 @@ LABELS = {
     "dia_multistart": "DIA from four starts",
     "vit_patches": "the closed-form patch solve",
     "first_linear": "the closed-form first-Linear solve",
+    "dark_background": "the separation by dark background",
 }
 
 

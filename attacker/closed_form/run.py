@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from fedsim.data import box_bounds, get_spec
 
-from ..jobs import JobResult, VictimJob, model_from_job
+from ..jobs import JobResult, VictimJob, as_one_gradient, model_from_job
 from .solvers import SOLVERS, NotApplicable, Solution, label_order
 
 SOLVED, SOLVED_INEXACT = "solved", "solved_inexact"
@@ -55,11 +55,25 @@ class ClosedForms:
         """Why solver ``name`` cannot solve ``job``, in one line; None where it applies."""
         solver = SOLVERS[name]
         if job.plan is not None:
-            return (
-                f"{name} solves a one-step gradient; job {job.job_id} holds an update of {len(job.steps)} local "
-                "steps, whose gradients (each with its own masks) are mixed in one update"
-            )
-        if solver.separates and job.batch_size == 1:
+            optimizer = job.plan.optimizer.algorithm
+            if not solver.updates:
+                return (
+                    f"{name} solves a one-step gradient; job {job.job_id} holds an update of {len(job.steps)} local "
+                    "steps, whose gradients (each with its own masks) are mixed in one update"
+                )
+            if not optimizer.lowrank_replay or job.plan.dp is not None or job.copies > 1:
+                why = (
+                    "DP-SGD's noise"
+                    if job.plan.dp is not None
+                    else "an unknown batch order's copies"
+                    if job.copies > 1
+                    else f"{optimizer.title}'s elementwise steps"
+                )
+                return (
+                    f"{name} needs the first Linear's update to span the client's images; in job {job.job_id} "
+                    f"{why} take it out of that span"
+                )
+        if solver.separates and job.batch_size == 1 and not (solver.single_updates and job.plan is not None):
             return f"{name} separates the images of a batch, and job {job.job_id} has B = 1: {solver.batch_reason}"
         if job.batch_size > 1 and not solver.separates:
             return (
@@ -81,7 +95,8 @@ class ClosedForms:
                 if solver.ordered:
                     return images
                 # a separating solver's images come in an order of their own: put them in the labels'
-                order = label_order(images, job, self.model(job))
+                # an update's last Linear: its round's gradients summed (as_one_gradient), which the labels still fix
+                order = label_order(images, as_one_gradient(job) if job.plan else job, self.model(job))
                 if order is not None:
                     return images[order]
         return None

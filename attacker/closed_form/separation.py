@@ -108,7 +108,9 @@ def _smallest_eigenvectors(weights: Tensor, rows: Tensor) -> Tensor:
     return torch.linalg.eigh(torch.einsum("kr,ri,rj->kij", weights, rows, rows))[1][:, :, 0]
 
 
-def reweighted_normals(rows: Tensor, starts: int, gen: torch.Generator, found: list[Tensor] | None = None) -> Tensor:
+def reweighted_normals(
+    rows: Tensor, starts: int, gen: torch.Generator, found: list[Tensor] | None = None, from_rows: bool = False
+) -> Tensor:
     """Candidate unit normals of hyperplanes that hold many of ``rows`` (rows x B), from
     ``starts`` random directions: iteratively reweighted least squares, first on the smoothed sum of
     |row . n| (the l1 objective of Dual Principal Component Pursuit, Tsakiris & Vidal 2018: its minima lie
@@ -122,11 +124,15 @@ def reweighted_normals(rows: Tensor, starts: int, gen: torch.Generator, found: l
     (in the whitened rows) to the ``found`` normals: random starts fall into a few large basins again
     and again (MLP MNIST p = 0.25, B = 32: 29 of 32 planes after 8 rounds of 300; 31 after 2 this way),
     each moved off that subspace by a random amount (up to 1.5 times its length): from the subspace alone the
-    last plane or two are missed (31 of 32 after 8 rounds; with the spread, 32 of 32 after 5-7)."""
+    last plane or two are missed (31 of 32 after 8 rounds; with the spread, 32 of 32 after 5-7).
+    ``from_rows``: start from the whitened rows themselves instead (``starts`` ignored): a row that lies on
+    all planes but one is, whitened, near that one's normal (the starts of Qu, Sun & Wright 2014)."""
     u, s, vh = torch.linalg.svd(rows, full_matrices=False)
     white = u / torch.linalg.norm(u, dim=1, keepdim=True).clamp_min(1e-300)
     dim = rows.shape[1]
-    if found:  # a normal n of the rows is s * (vh @ n) of the whitened ones
+    if from_rows:
+        n = white.clone()
+    elif found:  # a normal n of the rows is s * (vh @ n) of the whitened ones
         taken = torch.stack(found) @ vh.T * s
         room = torch.linalg.svd(taken, full_matrices=True).Vh[len(found) :]
         n = torch.randn(starts, room.shape[0], generator=gen, dtype=torch.float64) @ room
@@ -326,3 +332,94 @@ def complete_by_smoothness(images: Tensor, missing: list[int]) -> Tensor:
         if c not in missing:
             mix[c, missing] = _least_absolute(terms[c], others)
     return mix
+
+
+# -- images with a background at one value: their pixels there fix each image in the span ---------------
+
+# A pixel is at the background's value within this (normalized units; one step of an 8-bit pixel is
+# 1 / (255 std), 0.013 for MNIST, and the span of a float32 gradient is off by about 1e-5 per pixel).
+LEVEL_ATOL = 1e-3
+LEVEL_RIGID = 1e-3  # an image's background rows span B dimensions to this (``_rigid``)
+LEVEL_ROUNDS = 6  # rounds of random starts after the rows' own (it stops earlier after two without a new image)
+
+
+@dataclass(frozen=True)
+class Leveled:
+    """The images the background separation found, as rows of the first Linear's input."""
+
+    images: Tensor  # (found, entries)
+    at_level: list[int]  # per image: its entries at the background's value (to LEVEL_ATOL)
+    misfit: float  # the largest distance of an image's background entries from the value, relative to its norm
+
+
+def _distinct(rows: Tensor, copies: int = 1, cos: float = 1 - 1e-9) -> Tensor:
+    """The rows, each direction at most ``copies`` times: pixels dark in every image are one and the same row,
+    many times over, and would outweigh the rest in the search's whitening (B + 1 copies still outweigh any
+    one row; at B = 1 every dark pixel is that row, and it must outweigh the ink: copies of it up to P / (B + 1))."""
+    unit = rows / torch.linalg.norm(rows, dim=1, keepdim=True).clamp_min(1e-300)
+    keep: list[int] = []
+    for j in range(unit.shape[0]):
+        if not keep or int(((unit[keep] @ unit[j]).abs() >= cos).sum()) < copies:
+            keep.append(j)
+    return rows[keep]
+
+
+def _rigid(rows: Tensor, b: int) -> bool:
+    """Whether these rows fix one hyperplane of R^(B+1) alone: a mix of images is at the value only where all
+    of them are, rows that lie on several images' planes at once (rank B - 1 at most; measured on MNIST, B = 32:
+    an image's background rows have their B-th singular value at 3-6e-2 of the first, a float32 span's
+    rounding puts the next at 1e-6)."""
+    distinct = _distinct(rows)
+    if distinct.shape[0] < b:
+        return False
+    s = torch.linalg.svdvals(distinct / torch.linalg.norm(distinct, dim=1, keepdim=True))
+    return float(s[b - 1] / s[0]) > LEVEL_RIGID
+
+
+def separate_by_level(space: Tensor, low: Tensor, high: Tensor, gen: torch.Generator) -> Leveled:
+    """Images with a background (MNIST's black, a scan's empty field) each sit at the box's low value
+    ``low`` (per entry) on most of their pixels. Every image lies in ``space`` (B x entries, orthonormal
+    rows: the first Linear's row space, for a one-step gradient and for a plain SGD round alike), x_b = a_b V,
+    so with r_j = [V[:, j], low_j] the pixels of image b's background lie on one hyperplane,
+    [a_b, -1] . r_j = 0, and no mix of images has as many entries at the low value. The hyperplanes are
+    found by the reweighted search (``reweighted_normals``), from the rows themselves and then from random
+    starts; a plane gives an image when its entries lie in the box and a quarter of them sit at the value.
+    Some images (a digit whose strokes others' cover) may stay unfound: they are left out, not guessed."""
+    b = space.shape[0]
+    v = space.double()
+    rows = torch.cat([v.T, low.double()[:, None]], dim=1)  # (entries, B + 1)
+    search = _distinct(rows, copies=max(b + 1, rows.shape[0] // (b + 1)))
+    low64, high64 = low.double(), high.double()
+    images: list[Tensor] = []
+    normals: list[Tensor] = []
+
+    def consider(found: Tensor) -> int:
+        new = 0
+        for n in found:
+            if float(n[-1].abs()) < 1e-12 or len(images) == b:
+                continue
+            x = (n[:-1] * (-1.0 / n[-1])) @ v  # [a, -1]: the image a V
+            if not bool(((x > low64 - LEVEL_ATOL) & (x < high64 + LEVEL_ATOL)).all()):
+                continue
+            dark = (x - low64).abs() < LEVEL_ATOL
+            if int(dark.sum()) < x.numel() // 4 or not _rigid(rows[dark], b):
+                continue
+            if any(float(torch.linalg.norm(x - y)) < 1e-3 * float(torch.linalg.norm(y)) for y in images):
+                continue
+            images.append(x)
+            normals.append(n / torch.linalg.norm(n))
+            new += 1
+        return new
+
+    consider(reweighted_normals(search, 0, gen, from_rows=True))
+    stale = 0
+    for _ in range(LEVEL_ROUNDS):
+        if len(images) == b or stale == 2:
+            break
+        stale = 0 if consider(reweighted_normals(search, SEARCH_STARTS, gen, normals or None)) else stale + 1
+    if not images:
+        return Leveled(torch.zeros(0, v.shape[1], dtype=torch.float64), [], 0.0)
+    stack = torch.stack(images)
+    dark = (stack - low64).abs() < LEVEL_ATOL
+    misfit = float(((stack - low64).abs() * dark).amax(dim=1).div(torch.linalg.norm(stack, dim=1)).max())
+    return Leveled(stack, [int(c) for c in dark.sum(dim=1)], misfit)

@@ -22,9 +22,19 @@ import torch.nn.functional as F
 from scipy.optimize import minimize, minimize_scalar
 from torch import Tensor, nn
 
+from fedsim.data import box_bounds, get_spec
+
 from ..jobs import VictimJob
 from .probe import Layer, _Stop, evaluating, first_layer, images_from_rows, last_linear, position_embedding
-from .separation import MASK_RTOL, complete_by_smoothness, refine_by_zeros, unmix, zero_tolerance
+from .separation import (
+    LEVEL_ATOL,
+    MASK_RTOL,
+    complete_by_smoothness,
+    refine_by_zeros,
+    separate_by_level,
+    unmix,
+    zero_tolerance,
+)
 
 # A solve claims "exact" only where the linear system it solved holds to this relative residual
 # (float32 rounding of the client's own gradient is about 1e-7); pruning or noise leave more.
@@ -77,6 +87,11 @@ class Solver:
     separates: bool = False
     # False: its images come in an order of their own, not the job's labels' (scored by matching alone)
     ordered: bool = True
+    # True: a separating solver that takes an update of one image too (no one-image solver takes an update)
+    single_updates: bool = False
+    # True: it also takes the update of a local round whose steps move the first Linear by outer products
+    # (fedsim's ClientOptimizer.lowrank_replay: SGD, with momentum or not): those rows still span the images
+    updates: bool = False
 
 
 SOLVERS: dict[str, Solver] = {}
@@ -91,9 +106,13 @@ def solver(
     find: Callable[..., Any],
     separates: bool = False,
     ordered: bool = True,
+    single_updates: bool = False,
+    updates: bool = False,
 ):
     def register(fn: Callable[[Any, VictimJob, nn.Module], Solution]) -> Callable[..., Solution]:
-        SOLVERS[name] = Solver(name, needs, mechanism, batch_reason, find, fn, separates, ordered)
+        SOLVERS[name] = Solver(
+            name, needs, mechanism, batch_reason, find, fn, separates, ordered, single_updates, updates
+        )
         return fn
 
     return register
@@ -204,12 +223,17 @@ class _FirstLinear:
     input_shape: tuple[int, ...]
 
 
-def _find_first_linear(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _FirstLinear:
+def _flat_first_linear(model: nn.Module, input_shape: tuple[int, ...]) -> Layer:
     layer = first_layer(model, input_shape)
     if layer is None or not isinstance(layer.module, nn.Linear):
         raise NotApplicable(f"its first layer is {layer.kind if layer else 'none'}")
     if layer.pixels is None or layer.tokens != 1:
         raise NotApplicable(f"its first Linear sees {layer.tokens or 'no'} patch rows, not the flattened image")
+    return layer
+
+
+def _find_first_linear(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _FirstLinear:
+    layer = _flat_first_linear(model, input_shape)
     following = None
     if layer.bias is None:
         following = _second_linear(model, layer, input_shape)
@@ -540,6 +564,70 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     images = images_from_rows(torch.stack([solved[i].row for i in range(b)])[:, None], layer.pixels, found.input_shape)
     extra |= {"scale_from": "bias" if bias is not None else "next layer", "scale_misfits": misfits}
     return Solution(images, _rank(dw), b, max(misfits), extra, mixture.exact_rtol)
+
+
+# -- (b'') images on a background: each image's pixels at the box's low value fix it in the span ---------
+
+
+@dataclass(frozen=True)
+class _Flat:
+    layer: Layer
+    input_shape: tuple[int, ...]
+
+
+def _find_flat(model: nn.Module, input_shape: tuple[int, ...], classes: int) -> _Flat:
+    return _Flat(_flat_first_linear(model, input_shape), input_shape)
+
+
+def _fill_span(space: Tensor, found: Tensor, missing: int, size: float) -> Tensor:
+    """``missing`` rows of ``space``'s span orthogonal to the ``found`` images, each of norm ``size``: what a
+    partial separation leaves (an optimization started from it moves them; they are no claim)."""
+    rest = space
+    if found.shape[0]:
+        q = torch.linalg.qr(found.T).Q.T  # orthonormal rows spanning the found images
+        rest = space - (space @ q.T) @ q
+    directions = torch.linalg.svd(rest, full_matrices=False).Vh[:missing]
+    return directions * size
+
+
+@solver(
+    "dark_background",
+    needs="a first Linear layer on the flattened image",
+    mechanism=(
+        "the first Linear's gradient (or plain-SGD update) spans the batch's images, and each image's background "
+        "pixels, at the data's darkest value, pin it down in that span exactly"
+    ),
+    batch_reason="at B = 1 a one-step gradient is rank one, and first_linear solves it exactly",
+    find=_find_flat,
+    separates=True,
+    ordered=False,
+    single_updates=True,
+    updates=True,
+)
+def solve_dark_background(found: _Flat, job: VictimJob, model: nn.Module) -> Solution:
+    """dL/dW (or an SGD round's update of W) = sum_b delta_b x_b^T: its top B right singular vectors V span
+    the images, x_b = a_b V. Where the images have a background at the box's low value (MNIST: about 80 %
+    of each digit's pixels), image b's background pixels j satisfy a_b . V[:, j] = low_j: one hyperplane per
+    image, found by ``separation.separate_by_level``. Each image it finds is exact (its background fixes
+    it, and a mix of images is not as dark); the images it misses are filled with the span's directions
+    orthogonal to the found ones, and the answer is then partial (inexact), for DIA to start from
+    (``dia_cf``). Where the data has no background the search finds none."""
+    layer, b = found.layer, job.batch_size
+    dw = _grads(job, model)[layer.weight]
+    space = torch.linalg.svd(dw, full_matrices=False).Vh[:b]
+    low, high = box_bounds(get_spec(job.spec.dataset, found.input_shape[0]), dtype=torch.float64)
+    entries = layer.pixels.reshape(-1)
+    low_e = low.expand(*found.input_shape).reshape(-1)[entries]
+    high_e = high.expand(*found.input_shape).reshape(-1)[entries]
+    sep = separate_by_level(space, low_e, high_e, torch.Generator().manual_seed(0))
+    k = sep.images.shape[0]
+    size = float(torch.linalg.norm(sep.images, dim=1).mean()) if k else float(torch.linalg.norm(low_e))
+    rows = torch.cat([sep.images, _fill_span(space, sep.images, b - k, size)]) if k < b else sep.images
+    images = images_from_rows(rows[:, None], layer.pixels, found.input_shape)
+    extra: dict[str, Any] = {"images_separated": k, "background_pixels": sep.at_level}
+    # exact only where every image was found; the residual is then their background's misfit
+    residual = sep.misfit if k == b else 1.0
+    return Solution(images, k, b, residual, extra, tolerance=LEVEL_ATOL)
 
 
 # -- (c) the classifier's input features: a constraint, not an image ----------------------------------
