@@ -242,8 +242,9 @@ def closed_form_pairs(
     forms: ClosedForms, jobs: list[VictimJob], oracles: list[Oracle | None], cfg: RunConfig
 ) -> ClosedFormPlan:
     """Which closed form solves which job. A solver named on its own must apply to every job (else a
-    ConfigError: one line naming what is missing); one that came with ``closed_form`` is skipped where
-    it does not apply, and the reason kept for the report."""
+    ConfigError: one line naming what is missing) unless the run skips what does not apply
+    (``skip_inapplicable``, as an experiment's cells do); one that came with ``closed_form`` is skipped
+    where it does not apply, and the reason kept for the report."""
     explicit = {ALIASES.get(n, n) for n in cfg.attacks}
     plan = ClosedFormPlan()
     for attack in cfg.attack_configs():
@@ -251,7 +252,7 @@ def closed_form_pairs(
             continue
         reasons = {j.job_id: forms.reason(attack.solver, j) for j in jobs}
         bad = [r for r in reasons.values() if r is not None]
-        if bad and attack.name in explicit:
+        if bad and attack.name in explicit and not cfg.skip_inapplicable:
             raise ConfigError(bad[0])
         plan.solves += [(j, o, attack.solver) for j, o in zip(jobs, oracles) if reasons[j.job_id] is None]
         if len(bad) == len(jobs):

@@ -95,12 +95,13 @@ def test_a_grid_cell_skips_an_attack_its_model_cannot_take() -> None:
 
 
 def test_an_attack_a_cell_cannot_take_is_reported_skipped(tmp_path: Path) -> None:
-    """The cell runs what applies (WIIG on LeNet); dia_span, which LeNet cannot take, is 'skipped' in
-    results.md, its reason in the cell's closed_form.json."""
+    """The cell runs what applies (WIIG on LeNet); dia_span and the closed form named on its own
+    (dark_background), which LeNet cannot take, are 'skipped' in results.md, their reasons in the cell's
+    closed_form.json."""
     config = tmp_path / "lenet.yaml"
     config.write_text(
         "name: lenet\ntitle: LeNet\ncells:\n"
-        "- {id: a, model: lenet, dataset: mnist, p: 0.25, attacks: [wiig, dia_span]}\n"
+        "- {id: a, model: lenet, dataset: mnist, p: 0.25, attacks: [dark_background, wiig, dia_span]}\n"
     )
     out = tmp_path / "out"
     args = ["experiment", str(config), "--victims", "1", "--iterations", "1", "--no-accuracy", "--no-lpips"]
@@ -110,6 +111,8 @@ def test_an_attack_a_cell_cannot_take_is_reported_skipped(tmp_path: Path) -> Non
     assert [line.split("|")[-2].strip() for line in report.splitlines() if "| wiig |" in line] == ["finished"]
     closed = json.loads((out / "cells" / "lenet-a" / "closed_form.json").read_text())
     assert "no Linear" in closed["skipped"]["dia_span"]
+    assert "job victim000 has B = 1" in closed["skipped"]["dark_background"]
+    assert [line.split("|")[-2].strip() for line in report.splitlines() if "| dark_background |" in line] == ["skipped"]
 
 
 def test_cell_filter() -> None:

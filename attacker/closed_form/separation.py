@@ -357,11 +357,18 @@ def _distinct(rows: Tensor, copies: int = 1, cos: float = 1 - 1e-9) -> Tensor:
     many times over, and would outweigh the rest in the search's whitening (B + 1 copies still outweigh any
     one row; at B = 1 every dark pixel is that row, and it must outweigh the ink: copies of it up to P / (B + 1))."""
     unit = rows / torch.linalg.norm(rows, dim=1, keepdim=True).clamp_min(1e-300)
-    keep: list[int] = []
-    for j in range(unit.shape[0]):
-        if not keep or int(((unit[keep] @ unit[j]).abs() >= cos).sum()) < copies:
-            keep.append(j)
-    return rows[keep]
+    # Repeats are one direction up to rounding, so "same direction" groups the rows; each row's group is
+    # named by its first member, and the first ``copies`` of each group are kept (a whole-matrix form of
+    # keeping a row while fewer than ``copies`` kept ones repeat it: the row loop cost seconds per call).
+    group = torch.cat(  # the first row of each row's direction; in column blocks, for images of many pixels
+        [((unit @ unit[k : k + 1024].T).abs() >= cos).to(torch.uint8).argmax(dim=0) for k in range(0, len(unit), 1024)]
+    )
+    order = torch.argsort(group, stable=True)
+    sorted_group = group[order]
+    starts = torch.searchsorted(sorted_group, sorted_group)  # where each group's run begins
+    rank = torch.empty_like(group)
+    rank[order] = torch.arange(len(group)) - starts  # each row's place among its group's rows
+    return rows[rank < copies]
 
 
 def _rigid(rows: Tensor, b: int) -> bool:
