@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument(
         "--attacks",
         nargs="+",
-        help="attack presets (default: closed_form ig_eval dia dia_span, each where it applies, and wiig as the "
+        help="attack presets (default: closed_form ig_eval dia dia_hold, each where it applies, and wiig as the "
         "oracle's bound)",
     )
     audit.add_argument("--iterations", type=int, help="iteration cap per job (default: the profile's, paper 20000)")

@@ -16,10 +16,12 @@ from statistics import mean
 
 from cocktail_party_rows import RECOGNISABLE, per_image  # beside this script: its directory is on sys.path
 
-ATTACKS = ("wiig", "dia", "dia_span", "dia_cf")
+ATTACKS = ("wiig", "dia", "dia_span", "dia_cf", "dia_hold")
 
 
 def row(folder: Path) -> str | None:
+    if not (folder / "run.json").is_file():  # a cell that failed before it ran (its failed.txt says why)
+        return None
     run = json.loads((folder / "run.json").read_text())
     if run.get("status") != "finished" or not (folder / "metrics.json").is_file():
         return None
@@ -51,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         "| cell | jobs | closed form | WIIG (oracle) | DIA | DIA in the images' span (dia_span) "
-        "| DIA from the closed form (dia_cf) | s per job and attack |"
+        "| DIA from the closed form (dia_cf) | DIA holding the closed form's exact images (dia_hold) "
+        "| s per job and attack |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for folder in cells:
         line = row(folder)
         if line:

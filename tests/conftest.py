@@ -160,6 +160,11 @@ def _quiet_and_deterministic():
     warnings.filterwarnings("ignore", module="lightning")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # the closed forms' recent solves (attacker.closed_form.run): tests monkeypatch the solvers' settings,
+    # so no test reuses another's answer
+    from attacker.closed_form import run as closed_form_run
+
+    closed_form_run._RECENT.clear()
     yield
 
 

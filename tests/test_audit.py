@@ -74,7 +74,7 @@ def test_audit_writes_the_report_with_counts_from_the_metrics(audited: Path) -> 
     # the default: the closed forms that apply first (2 images per gradient: the separations by dropout's zeros
     # and by the background),
     # then IG and DIA; WIIG because the run kept the oracle
-    assert audit["attacks"] == ["cocktail_party", "dark_background", "ig_eval", "dia", "dia_span", "wiig"]
+    assert audit["attacks"] == ["cocktail_party", "dark_background", "ig_eval", "dia", "dia_hold", "wiig"]
     assert audit["threshold"] == {"metric": "ssim_std", "space": "[0,1]", "value": 0.6}
     images = audit["images"]
     assert len(images) == 4 and {(r["client"], r["index"]) for r in images} == {(0, 0), (0, 1), (1, 0), (1, 1)}

@@ -220,8 +220,9 @@ def test_a_separated_batch_starts_an_optimization_in_the_labels_order() -> None:
     gradient puts each at a place of its own label."""
     spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 256})
     jobs, oracles = jobs_from_images(spec, _victims(spec, 1, 8, blocks=4))
-    start = ClosedForms().first_guess(jobs[0])
-    assert start is not None and start.shape == oracles[0].images.shape
+    guess = ClosedForms().first_guess(jobs[0])
+    assert guess is not None and guess.images.shape == oracles[0].images.shape
+    start = guess.images
     nearest = torch.cdist(start.flatten(1).double(), oracles[0].images.flatten(1).double()).argmin(dim=1)
     assert torch.equal(jobs[0].labels[nearest], jobs[0].labels)
     assert sorted(nearest.tolist()) == list(range(8))  # every image once
@@ -383,6 +384,58 @@ def test_dark_background_separates_a_batch_and_an_sgd_round_exactly(round_: str)
     assert result.status == SOLVED and result.extras["images_separated"] == 6
     matched = result.images[match_reconstructions(oracle.images, result.images)]
     assert torch.allclose(matched, oracle.images, atol=1e-3)
+
+
+def test_dia_hold_keeps_the_images_a_partial_separation_pinned_down_and_learns_the_rest() -> None:
+    """An SGD round of four images on a background and two of uniform noise: dark_background (the one closed
+    form that takes an update) finds the four, each fixed by its own background (``certain``), and not the
+    noise, so its answer is partial. dia_hold starts from it and keeps the four exactly while the others
+    move; dia_cf, from the same start, moves them all."""
+    import lightning as L
+
+    from attacker.engine.inversion import InversionModule
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    ((dark, dark_labels),) = _dark_victims(spec, 4)
+    ((noise, noise_labels),) = _victims(spec, n=1, batch=2, seed=3)
+    plan = LocalPlan(Schedule(epochs=2, batch_size=6, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), (oracle,) = jobs_from_images(
+        spec, [(torch.cat([dark, noise]), torch.cat([dark_labels, noise_labels]))], plan=plan
+    )
+    forms = ClosedForms()
+    result = forms.solve("dark_background", job)
+    assert result.status == SOLVED_INEXACT and result.extras["images_separated"] == 4
+    guess = forms.first_guess(job)
+    assert guess is not None and int(guess.held.sum()) == 4
+    # solved once: the start (here and in each attack's own ClosedForms) reuses the run's solve
+    assert ClosedForms()._solve("dark_background", job)[0] is forms._solve("dark_background", job)[0]
+    other = replace(job, labels=job.labels.roll(1))
+    assert ClosedForms()._solve("dark_background", other)[0] is not forms._solve("dark_background", job)[0]
+    held = guess.held.nonzero().flatten()
+    # each held image is a true one, exactly, at a place of its own label
+    nearest = torch.cdist(guess.images[held].flatten(1).double(), oracle.images.flatten(1).double()).argmin(dim=1)
+    assert sorted(nearest.tolist()) == [0, 1, 2, 3]
+    assert torch.equal(job.labels[nearest], job.labels[held])
+    assert torch.allclose(guess.images[held], oracle.images[nearest], atol=1e-3)
+    attacks = [make_attack("dia_hold", max_iterations=20), make_attack("dia_cf", max_iterations=20)]
+    module = InversionModule([job, job], attacks, None)
+    module.chunk = 20
+    L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    ).fit(module)
+    holding, moving = module.results()
+    assert torch.equal(holding.images[held], guess.images[held].to(holding.images.dtype))
+    free = ~guess.held
+    assert float((holding.images[free] - guess.images[free]).abs().max()) > 1e-3  # the rest is learned
+    assert float((moving.images[held] - guess.images[held]).abs().max()) > 1e-3  # dia_cf holds nothing
+    with pytest.raises(ValueError, match="hold_certain holds a closed form's images"):
+        make_attack("dia", hold_certain=True)
 
 
 def test_dark_background_claims_nothing_where_the_images_have_no_background() -> None:

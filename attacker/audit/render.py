@@ -20,6 +20,7 @@ LABELS = {
     "dia_onestep": "DIA on Δ/(lr·K)",
     "dia_span": "DIA in the images' span",
     "dia_cf": "DIA from the closed form",
+    "dia_hold": "DIA holding the closed form's exact images",
     "dia_multistart": "DIA from four starts",
     "vit_patches": "the closed-form patch solve",
     "first_linear": "the closed-form first-Linear solve",

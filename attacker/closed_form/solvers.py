@@ -60,6 +60,9 @@ class Solution:
     residual: float  # relative residual of the solved linear system
     extra: dict[str, Any] = field(default_factory=dict)
     tolerance: float = EXACT_RTOL  # the residual of an exact answer, at most (raised only to the data's own noise)
+    # per image (row of ``images``), whether its own check pinned it down exactly, beside others that may not
+    # be (a partial separation): an optimization started from the answer holds these (``hold_certain``)
+    certain: tuple[bool, ...] | None = None
 
     @property
     def exact(self) -> bool:
@@ -563,7 +566,8 @@ def solve_cocktail_party(found: _FirstLinear, job: VictimJob, model: nn.Module) 
     misfits = [solved[i].misfit_at for i in range(b)]
     images = images_from_rows(torch.stack([solved[i].row for i in range(b)])[:, None], layer.pixels, found.input_shape)
     extra |= {"scale_from": "bias" if bias is not None else "next layer", "scale_misfits": misfits}
-    return Solution(images, _rank(dw), b, max(misfits), extra, mixture.exact_rtol)
+    certain = tuple(m <= mixture.exact_rtol for m in misfits)  # each image checked by the next layer on its own
+    return Solution(images, _rank(dw), b, max(misfits), extra, mixture.exact_rtol, certain)
 
 
 # -- (b'') images on a background: each image's pixels at the box's low value fix it in the span ---------
@@ -627,7 +631,8 @@ def solve_dark_background(found: _Flat, job: VictimJob, model: nn.Module) -> Sol
     extra: dict[str, Any] = {"images_separated": k, "background_pixels": sep.at_level}
     # exact only where every image was found; the residual is then their background's misfit
     residual = sep.misfit if k == b else 1.0
-    return Solution(images, k, b, residual, extra, tolerance=LEVEL_ATOL)
+    certain = (True,) * k + (False,) * (b - k)  # each found image is fixed by its own background
+    return Solution(images, k, b, residual, extra, tolerance=LEVEL_ATOL, certain=certain)
 
 
 # -- (c) the classifier's input features: a constraint, not an image ----------------------------------

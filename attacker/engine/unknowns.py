@@ -58,6 +58,7 @@ class Unknowns(nn.Module):
         self.register_buffer("box_low", box[0], persistent=False)
         self.register_buffer("box_high", box[1], persistent=False)
         images: list[Tensor] = []
+        held: list[Tensor] = []  # per job, the images a closed form pinned down that the attack holds
         forms = ClosedForms()
         learn_rows: list[list[Tensor]] = [[] for _ in mask_shapes]
         const_rows: list[list[Tensor]] = [[] for _ in mask_shapes]
@@ -67,10 +68,14 @@ class Unknowns(nn.Module):
         for j, (job, attack) in enumerate(zip(jobs, attacks)):
             gen = torch.Generator().manual_seed(job_seed(job, attack, seed))
             start = torch.randn(job.batch_size, *first.spec.input_shape, generator=gen)
+            hold = torch.zeros(job.batch_size, dtype=torch.bool)
             if attack.image_init == "closed_form":  # a solver's (partial) answer where one applies
                 guess = forms.first_guess(job)
-                start = guess.to(start.dtype) if guess is not None else start
+                if guess is not None:
+                    start = guess.images.to(start.dtype)
+                    hold = guess.held & attack.hold_certain
             images.append(start)
+            held.append(hold)
             oracle = oracles[j] if oracles else None
             if oracle is not None and not attack.receives_oracle:
                 # The threat model: IG and DIA see only what the server saw, never ground truth.
@@ -100,7 +105,10 @@ class Unknowns(nn.Module):
             persistent=False,
         )
         self.register_buffer("spanned", torch.tensor([s is not None for s in spans]), persistent=False)
-        self.image_stack = nn.Parameter(self.in_span(torch.stack(images), self.spanned))
+        starts = torch.stack(images)
+        self.register_buffer("held", torch.stack(held), persistent=False)  # (V, B)
+        self.register_buffer("held_images", starts.clone(), persistent=False)
+        self.image_stack = nn.Parameter(self.hold(self.in_span(starts, self.spanned)))
         self.mask_stacks = nn.ParameterList(
             nn.Parameter(torch.stack(r) if r else torch.zeros(0, *shape)) for r, shape in zip(learn_rows, mask_shapes)
         )
@@ -130,6 +138,13 @@ class Unknowns(nn.Module):
         bases = self.span_bases.to(flat.dtype)
         projected = torch.bmm(torch.bmm(flat, bases), bases.transpose(1, 2)).reshape(stack.shape)
         return torch.where(_rows_view(rows.to(stack.device), projected), projected, stack)
+
+    def hold(self, stack: Tensor) -> Tensor:
+        """``stack`` with the held images (a closed form's exact ones, ``hold_certain``) put back."""
+        if not bool(self.held.any()):
+            return stack
+        view = self.held.reshape(*self.held.shape, *([1] * (stack.dim() - 2)))
+        return torch.where(view, self.held_images, stack)
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -200,6 +215,7 @@ class Unknowns(nn.Module):
                 held = moving & self.spanned
                 if bool(held.any()):  # after the box: the span is certain, the box a prior
                     self.image_stack.copy_(self.in_span(self.image_stack, held))
+                self.image_stack.copy_(self.hold(self.image_stack))  # what a closed form pinned down stays
             for i, stack in enumerate(self.mask_stacks):
                 if stack.grad is None or not self.learn_jobs[i]:
                     continue
