@@ -391,7 +391,7 @@ def test_dia_hold_keeps_the_images_a_partial_separation_pinned_down_and_learns_t
     form that takes an update) finds the four, each fixed by its own background (``certain``), and not the
     noise, so its answer is partial. dia_hold starts from it and keeps the four exactly while the others
     move; dia_cf, from the same start, moves them all."""
-    import lightning as L
+    from engine_harness import fit_attack
 
     from attacker.engine.inversion import InversionModule
     from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
@@ -421,15 +421,7 @@ def test_dia_hold_keeps_the_images_a_partial_separation_pinned_down_and_learns_t
     attacks = [make_attack("dia_hold", max_iterations=20), make_attack("dia_cf", max_iterations=20)]
     module = InversionModule([job, job], attacks, None)
     module.chunk = 20
-    L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    ).fit(module)
-    holding, moving = module.results()
+    holding, moving = fit_attack(module)
     assert torch.equal(holding.images[held], guess.images[held].to(holding.images.dtype))
     free = ~guess.held
     assert float((holding.images[free] - guess.images[free]).abs().max()) > 1e-3  # the rest is learned

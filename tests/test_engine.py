@@ -1,8 +1,8 @@
 """The attack engine: per-job terms, batched jobs equal single runs, stopping, divergence, resume."""
 
-import lightning as L
 import pytest
 import torch
+from engine_harness import fit_attack as _fit
 
 from attacker.attacks import AttackConfigError, make_attack
 from attacker.engine.gradients import PerJobGradients, autograd_terms
@@ -13,20 +13,6 @@ from attacker.jobs import VictimJob, jobs_from_images
 from attacker.labels import recover_labels
 from fedsim.models import ModelSpec, build_model, mask_shapes, set_dropout_mode, set_masks
 from fedsim.models.dropout import MaskedDropout
-
-
-def _fit(module, max_epochs=1, callbacks=(), ckpt_path=None):
-    trainer = L.Trainer(
-        max_epochs=max_epochs,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=bool(callbacks),
-        callbacks=list(callbacks),
-    )
-    trainer.fit(module, ckpt_path=ckpt_path)
-    return module.results()
 
 
 @pytest.mark.parametrize(

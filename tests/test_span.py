@@ -8,9 +8,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
+from engine_harness import fit_attack
 
 from attacker.attacks import make_attack
 from attacker.cli import main
@@ -67,16 +67,7 @@ def test_dia_span_keeps_its_dummies_in_the_span() -> None:
     attacks = [make_attack("dia_span", max_iterations=20), make_attack("dia", max_iterations=20)]
     module = InversionModule([job, job], attacks, None)
     module.chunk = 20
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(module)
-    held, free = module.results()
+    held, free = fit_attack(module)
     assert _residual(basis, held.images) < 1e-5
     assert _residual(basis, free.images) > 0.1  # plain DIA's dummies are not held there
 

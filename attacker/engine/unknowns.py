@@ -107,7 +107,8 @@ class Unknowns(nn.Module):
         self.register_buffer("spanned", torch.tensor([s is not None for s in spans]), persistent=False)
         starts = torch.stack(images)
         self.register_buffer("held", torch.stack(held), persistent=False)  # (V, B)
-        self.register_buffer("held_images", starts.clone(), persistent=False)
+        self.holds = bool(self.held.any())  # known once: no device sync per step
+        self.register_buffer("held_images", starts.clone() if self.holds else torch.zeros(0), persistent=False)
         self.image_stack = nn.Parameter(self.hold(self.in_span(starts, self.spanned)))
         self.mask_stacks = nn.ParameterList(
             nn.Parameter(torch.stack(r) if r else torch.zeros(0, *shape)) for r, shape in zip(learn_rows, mask_shapes)
@@ -141,7 +142,7 @@ class Unknowns(nn.Module):
 
     def hold(self, stack: Tensor) -> Tensor:
         """``stack`` with the held images (a closed form's exact ones, ``hold_certain``) put back."""
-        if not bool(self.held.any()):
+        if not self.holds:
             return stack
         view = self.held.reshape(*self.held.shape, *([1] * (stack.dim() - 2)))
         return torch.where(view, self.held_images, stack)
@@ -212,10 +213,11 @@ class Unknowns(nn.Module):
                 if bool(box.any()):
                     clamped = torch.maximum(torch.minimum(self.image_stack, self.box_high), self.box_low)
                     self.image_stack.copy_(torch.where(_rows_view(box, clamped), clamped, self.image_stack))
-                held = moving & self.spanned
-                if bool(held.any()):  # after the box: the span is certain, the box a prior
-                    self.image_stack.copy_(self.in_span(self.image_stack, held))
-                self.image_stack.copy_(self.hold(self.image_stack))  # what a closed form pinned down stays
+                spanned = moving & self.spanned
+                if bool(spanned.any()):  # after the box: the span is certain, the box a prior
+                    self.image_stack.copy_(self.in_span(self.image_stack, spanned))
+                if self.holds:  # what a closed form pinned down stays
+                    self.image_stack.copy_(self.hold(self.image_stack))
             for i, stack in enumerate(self.mask_stacks):
                 if stack.grad is None or not self.learn_jobs[i]:
                     continue
