@@ -214,6 +214,9 @@ class ClientOptimizer:
     # One step of it without momentum is Δ = lr·g exactly, so a one-step update is attacked as that
     # gradient (attacker.jobs.exact_as_gradient).
     step_is_gradient: bool = False
+    # Each entry's step is its own gradient history over its own scale, but for ε (Adam): an update of one
+    # image then keeps the pixels' signs, and ε's share their magnitudes (attacker's adam_eps closed form).
+    scale_free_steps: bool = False
 
     def words(self, momentum: Any = 0) -> str:
         """The optimizer as the audit names it, with its momentum where it takes one: "SGD with momentum 0.9"."""
@@ -225,7 +228,7 @@ class ClientOptimizer:
 # A new optimizer is one update function and one entry here: the run config's choices, the momentum
 # setting, the attacker's replay and the audit's words follow.
 CLIENT_OPTIMIZERS: dict[str, ClientOptimizer] = {
-    "adam": ClientOptimizer(_adam, "Adam", takes_momentum=False, smoothed_eps_replay=True),
+    "adam": ClientOptimizer(_adam, "Adam", takes_momentum=False, smoothed_eps_replay=True, scale_free_steps=True),
     "sgd": ClientOptimizer(_sgd, "SGD", takes_momentum=True, lowrank_replay=True, step_is_gradient=True),
 }
 OPTIMIZERS = tuple(CLIENT_OPTIMIZERS)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from fedsim.data import box_bounds, get_spec
 
 from ..jobs import JobResult, VictimJob, as_one_gradient, model_from_job
-from .solvers import SOLVERS, NotApplicable, Solution, label_order
+from .solvers import SOLVERS, NotApplicable, Solution, box_leaves_open, label_order
 
 SOLVED, SOLVED_INEXACT = "solved", "solved_inexact"
 
@@ -52,6 +52,39 @@ class Guess:
     held: Tensor  # (B,) bool
 
 
+def _scale_free_reason(name: str, job: VictimJob) -> str | None:
+    """Why a solver of one image's scale-free round (adam_eps) cannot take ``job``; None where it can."""
+    plan = job.plan
+    if plan is None:
+        return (
+            f"{name} reads an Adam round's update; job {job.job_id} holds a one-step gradient (first_linear solves it)"
+        )
+    optimizer = plan.optimizer.algorithm
+    if not optimizer.scale_free_steps:
+        return f"{name} reads an Adam round's update; job {job.job_id} holds an update of {optimizer.title}"
+    if plan.dp is not None or plan.proximal_mu or job.copies > 1:
+        why = (
+            "DP-SGD's noise"
+            if plan.dp is not None
+            else "FedProx's term"
+            if plan.proximal_mu
+            else "an unknown batch order's copies"
+        )
+        return (
+            f"{name} needs every step's gradient to be the image's times its own scale; in job {job.job_id} "
+            f"{why} break it"
+        )
+    open_ = box_leaves_open(job)
+    if open_ is not None:
+        return f"{name} cannot take job {job.job_id}: {open_}"
+    if job.batch_size != 1:
+        return (
+            f"{name} takes one image per update, and job {job.job_id} has B = {job.batch_size}: "
+            f"{SOLVERS[name].batch_reason}"
+        )
+    return None
+
+
 @dataclass
 class ClosedForms:
     """Finds each solver's structure once per model (the jobs of a run share few models), says why a
@@ -79,7 +112,11 @@ class ClosedForms:
     def reason(self, name: str, job: VictimJob) -> str | None:
         """Why solver ``name`` cannot solve ``job``, in one line; None where it applies."""
         solver = SOLVERS[name]
-        if job.plan is not None:
+        if solver.scale_free_updates:
+            why = _scale_free_reason(name, job)
+            if why is not None:
+                return why
+        elif job.plan is not None:
             optimizer = job.plan.optimizer.algorithm
             if not solver.updates:
                 return (
@@ -98,7 +135,9 @@ class ClosedForms:
                     f"{name} needs the first Linear's update to span the client's images; in job {job.job_id} "
                     f"{why} take it out of that span"
                 )
-        if solver.separates and job.batch_size == 1 and not (solver.single_updates and job.plan is not None):
+        if solver.scale_free_updates:
+            pass  # its batch size was checked with the round
+        elif solver.separates and job.batch_size == 1 and not (solver.single_updates and job.plan is not None):
             return f"{name} separates the images of a batch, and job {job.job_id} has B = 1: {solver.batch_reason}"
         if job.batch_size > 1 and not solver.separates:
             return (

@@ -95,6 +95,9 @@ class Solver:
     # True: it also takes the update of a local round whose steps move the first Linear by outer products
     # (fedsim's ClientOptimizer.lowrank_replay: SGD, with momentum or not): those rows still span the images
     updates: bool = False
+    # True: it takes only the update of one image's round of scale-free elementwise steps (Adam: fedsim's
+    # ClientOptimizer.scale_free_steps), and neither a gradient nor another optimizer's update
+    scale_free_updates: bool = False
 
 
 SOLVERS: dict[str, Solver] = {}
@@ -111,10 +114,21 @@ def solver(
     ordered: bool = True,
     single_updates: bool = False,
     updates: bool = False,
+    scale_free_updates: bool = False,
 ):
     def register(fn: Callable[[Any, VictimJob, nn.Module], Solution]) -> Callable[..., Solution]:
         SOLVERS[name] = Solver(
-            name, needs, mechanism, batch_reason, find, fn, separates, ordered, single_updates, updates
+            name,
+            needs,
+            mechanism,
+            batch_reason,
+            find,
+            fn,
+            separates,
+            ordered,
+            single_updates,
+            updates,
+            scale_free_updates,
         )
         return fn
 
@@ -633,6 +647,152 @@ def solve_dark_background(found: _Flat, job: VictimJob, model: nn.Module) -> Sol
     residual = sep.misfit if k == b else 1.0
     certain = (True,) * k + (False,) * (b - k)  # each found image is fixed by its own background
     return Solution(images, k, b, residual, extra, tolerance=LEVEL_ATOL, certain=certain)
+
+
+# -- (b'') one image's Adam round: the pixels' signs, and epsilon's share of the update their magnitudes ---
+
+# An Adam update row whose median entry is below this fraction of the largest row's had steps of both signs
+# (its entries then depend on the pixel through more than epsilon's share): those rows are left out.
+EPS_ROWS = 0.5
+# A pixel whose entries are below this fraction of their row's largest, at the median over rows, is one
+# epsilon moves strongly (|x| near 0): the linear model of its share holds for the others, which fix the
+# model; these are then read through the one-epsilon form of each row.
+EPS_LINEAR = 0.5
+
+
+def _signs(dw: Tensor) -> tuple[Tensor, float]:
+    """sign(x) from the update's rank-one form u sign(x)^T, up to one global sign, and the fit's residual."""
+    fit = _rank_one(dw)
+    return torch.sign(fit.v), fit.residual
+
+
+def _inverse_magnitudes(a: Tensor, linear: Tensor) -> tuple[Tensor, Tensor]:
+    """Per pixel, a direction v with 1/|x| = alpha + beta v on the ``linear`` pixels, and the rows' loading.
+
+    With epsilon's share small, each entry is |dw_jk| = R_j - E_j / |x_k| (R_j: the row's value at |x| -> inf,
+    E_j > 0: epsilon's weight in that row): centred per row, the matrix is rank one, and its right factor is
+    1/|x| up to an affine map. Oriented so that |dw| falls as 1/|x| grows in most rows."""
+    part = a[:, linear]
+    centred = part - part.mean(dim=1, keepdim=True)
+    u, _, vh = torch.linalg.svd(centred, full_matrices=False)
+    v, load = vh[0], u[:, 0]
+    if float((load < 0).double().mean()) < 0.5:
+        v, load = -v, -load
+    return v, load
+
+
+BOX_ASYMMETRY = 0.25  # the box's two ends fix the map where their magnitudes differ by this fraction (MNIST)
+
+
+def box_leaves_open(job: VictimJob) -> str | None:
+    """Why the data's box cannot fix 1/|x|'s affine map for ``job`` (both ends about as far from 0, as for
+    natural images normalized by their mean: CIFAR-10's -1.99 and 2.06), in words; None where it can."""
+    low, high = box_bounds(get_spec(job.spec.dataset, job.spec.input_shape[0]), dtype=torch.float64)
+    y_neg, y_pos = 1 / low.abs().flatten(), 1 / high.abs().flatten()
+    if bool(((y_neg - y_pos).abs() >= BOX_ASYMMETRY * torch.maximum(y_neg, y_pos)).all()):
+        return None
+    ends = ", ".join(f"({float(lo):.2f}, {float(hi):.2f})" for lo, hi in zip(low.flatten(), high.flatten()))
+    return (
+        f"the magnitudes are fixed by the data's box, whose ends for {job.spec.dataset} {ends} are about as far "
+        "from 0, and then leave 1/|x|'s spread open"
+    )
+
+
+def _by_the_box(sign: Tensor, v: Tensor, a: Tensor, linear: Tensor, low: Tensor, high: Tensor) -> Tensor | None:
+    """The image for one global sign: 1/|x| = alpha + beta v on the linear pixels, with the darkest pixel at
+    the box's low value and the brightest at its high one; None where that map does not give every pixel a
+    magnitude above 0 growing with v (the sign does not fit the box). The other pixels are read through each
+    row's one-epsilon form, 1/|dw| = 1/R + (e/R) y, fitted on the linear pixels."""
+    s = sign[linear]
+    neg, pos = torch.nonzero(s < 0).flatten(), torch.nonzero(s > 0).flatten()
+    if not (len(neg) and len(pos)):
+        return None
+    k_neg, k_pos = int(neg[v[neg].argmin()]), int(pos[v[pos].argmin()])  # the largest |x| below 0, above 0
+    if v[k_neg] == v[k_pos]:
+        return None
+    y_neg, y_pos = 1 / float(low[linear][k_neg].abs()), 1 / float(high[linear][k_pos].abs())
+    beta = (y_neg - y_pos) / float(v[k_neg] - v[k_pos])  # box_leaves_open: the two differ
+    y_lin = y_pos + beta * (v - v[k_pos])
+    if not (beta > 0 and bool((y_lin > 0).all())):
+        return None
+    basis = torch.stack([torch.ones_like(y_lin), y_lin], dim=1)
+    coef = torch.linalg.lstsq(basis, (1 / a[:, linear]).T).solution
+    y = (((1 / a.clamp_min(1e-300)) - coef[0][:, None]) / coef[1][:, None]).median(dim=0).values
+    y[linear] = y_lin
+    x = torch.where(sign != 0, sign / y.clamp_min(1e-12), torch.zeros_like(y))
+    return torch.minimum(torch.maximum(x, low), high)
+
+
+def _next_layer_agreement(found: _Flat, job: VictimJob, model: nn.Module, x: Tensor) -> float:
+    """How well x's hidden activations explain the next Linear's update: Adam's epsilon shrinks the columns
+    of small inputs there too, so |h| correlates with the columns' median |dw| for the true sign (and, with
+    GELU or ReLU between, not for -x). 0 where no Linear follows."""
+    nxt = _second_linear(model, found.layer, found.input_shape)
+    if nxt is None:
+        return 0.0
+    column = _grads(job, model)[nxt.weight].abs().median(dim=0).values
+    image = images_from_rows(x[None, None], found.layer.pixels, found.input_shape)
+    h = _layer_inputs(model, nxt.module, image).reshape(-1).abs()
+    if h.numel() != column.numel():
+        return 0.0
+    value = torch.corrcoef(torch.stack([column, h]))[0, 1]
+    return float(value) if torch.isfinite(value) else 0.0
+
+
+@solver(
+    "adam_eps",
+    needs="a first Linear layer on the flattened image",
+    mechanism=(
+        "Adam divides each entry of the first Linear's update by its own history, which keeps each pixel's sign; "
+        "its epsilon leaves a share that falls with the pixel's magnitude, and one image's update gives both away"
+    ),
+    batch_reason=(
+        "at B > 1 an entry's history mixes the images' pixels, and Adam's division no longer factors a pixel out"
+    ),
+    find=_find_flat,
+    scale_free_updates=True,
+)
+def solve_adam_eps(found: _Flat, job: VictimJob, model: nn.Module) -> Solution:
+    """One image x, K Adam steps: every entry of the first Linear sees gradients g_t = d_tj x_k, and Adam's
+    step m/(sqrt(v) + eps) is m'/(sqrt(v') + eps/|x_k|) sign(x_k) in the row's own d's terms. So the update is
+    u sign(x)^T (rank one, up to 1e-5 of it), and the eps term makes |dw_jk| = R_j/(1 + e_j/|x_k|): affine in
+    1/|x_k| while e_j/|x_k| is small (``_inverse_magnitudes``). That fixes 1/|x| up to an affine map; the data's
+    box fixes the map: the darkest pixel sits at the box's low value and the brightest at its high one
+    (MNIST's background and saturated strokes; an image spanning less than its box comes back stretched), and
+    the box also picks the global sign (only one of the two puts every magnitude above 0). The other pixels
+    (|x| near 0) are read through each row's one-epsilon form, at the median over rows. The answer rests on
+    that prior, not on a check of its own, so it is never claimed exact."""
+    layer = found.layer
+    dw = _grads(job, model)[layer.weight]
+    low, high = box_bounds(get_spec(job.spec.dataset, found.input_shape[0]), dtype=torch.float64)
+    entries = layer.pixels.reshape(-1)
+    low_e = low.expand(*found.input_shape).reshape(-1)[entries]
+    high_e = high.expand(*found.input_shape).reshape(-1)[entries]
+    sign, sign_residual = _signs(dw)
+    a = dw.abs()
+    typical = a.median(dim=1).values
+    a = a[typical >= EPS_ROWS * typical.max()]
+    relative = (a / a.amax(dim=1, keepdim=True).clamp_min(1e-300)).median(dim=0).values
+    linear = (relative >= EPS_LINEAR) & (sign != 0)
+    v, _ = _inverse_magnitudes(a, linear)
+    answers = [x for x in (_by_the_box(t, v, a, linear, low_e, high_e) for t in (sign, -sign)) if x is not None]
+    if len(answers) == 2:  # a box about symmetric around 0 leaves the global sign open: the next layer picks it
+        answers.sort(key=lambda x: -_next_layer_agreement(found, job, model, x))
+    if not answers:
+        x = torch.zeros_like(low_e)
+        extra: dict[str, Any] = {"magnitudes_from": "none: neither sign of the update fits the box"}
+        residual = 1.0
+    else:
+        x = answers[0]
+        extra = {
+            "magnitudes_from": "epsilon's share, scaled by the box",
+            "linear_pixels": int(linear.sum()),
+            "signs_fitting_the_box": len(answers),
+        }
+        residual = sign_residual
+    images = images_from_rows(x[None, None], layer.pixels, found.input_shape)
+    # rank 1 of the 2 an answer needs: epsilon's share fixes 1/|x| up to the affine map the box prior sets
+    return Solution(images, 1, 2, residual, extra)
 
 
 # -- (c) the classifier's input features: a constraint, not an image ----------------------------------
