@@ -48,3 +48,12 @@ def test_bench_times_the_bf16_path_beside_the_others(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if "fact+bf16" in x)
     error = float(line.split("by up to ")[1].split(" %")[0])
     assert 0 < error < 50  # bf16 moves the losses a little, not wholesale
+
+
+def test_adam_span_shows_sgd_in_the_images_span_and_adam_out_of_it():
+    from adam_span import measure
+
+    rows = {(r["optimizer"], r["B"]): r for r in measure([1, 8], jobs=1)}
+    assert rows["sgd", 1]["in span"] > 0.9999 and rows["sgd", 8]["in span"] > 0.9999  # D^T X, exactly
+    assert rows["adam", 8]["in span"] < 0.95  # Adam's elementwise step leaves the span
+    assert rows["adam", 1]["sign fit"] > 0.999 > rows["sgd", 1]["sign fit"]  # one image: u sign(x)^T

@@ -25,6 +25,7 @@ LABELS = {
     "vit_patches": "the closed-form patch solve",
     "first_linear": "the closed-form first-Linear solve",
     "dark_background": "the separation by dark background",
+    "adam_eps": "the closed-form read of Adam's signs",
 }
 
 
