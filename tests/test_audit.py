@@ -145,6 +145,9 @@ def test_the_verdict_names_a_fedavg_round() -> None:
     }
     text = verdict(setting, summary, 0.6)
     assert text.startswith("With p = 0.25 and FedAvg K = 4 SGD on mlp / mnist (no defense), DIA reconstructed 15 of 16")
+    # A closed form that wins names its mechanism, its label's words kept as written (Adam, not adam).
+    closed = verdict(setting, {**summary, "recognisable_by_attack": {"adam_eps": 15}}, 0.6)
+    assert " The closed-form read of Adam's signs: Adam divides each entry" in closed
 
 
 def test_the_setting_states_the_epsilon_the_run_spent(tmp_path: Path) -> None:

@@ -64,7 +64,8 @@ def verdict(setting: dict[str, Any], summary: dict[str, Any], threshold: float) 
         )
         for name in winners:  # a closed form names its mechanism: what in the gradient gives the image away
             if name in SOLVERS:
-                text += f" {label(name).capitalize()}: {SOLVERS[name].mechanism}."
+                named = label(name)
+                text += f" {named[:1].upper()}{named[1:]}: {SOLVERS[name].mechanism}."  # keeps "Adam's" as written
     else:
         best = summary["best_ssim_std"]
         reached = f"; the best image reached [0,1] SSIM {best:.2f}" if best is not None else ""

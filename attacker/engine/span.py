@@ -40,7 +40,7 @@ def _span_or_reason(job: VictimJob, model: nn.Module) -> Tensor | str:
     if job.match_support:
         return "the capture was pruned (its rows are no longer mixes of the images)"
     if job.plan is not None and not job.plan.optimizer.algorithm.lowrank_replay:
-        return f"a {job.plan.optimizer.algorithm.title} update does not move a weight by outer products"
+        return f"an update of {job.plan.optimizer.algorithm.title} steps does not move a weight by outer products"
     layer = first_layer(model, tuple(job.spec.input_shape))
     if layer is None or not isinstance(layer.module, nn.Linear) or layer.pixels is None or layer.tokens != 1:
         return "the model's first layer is no Linear on the flattened image"
