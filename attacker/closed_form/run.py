@@ -64,16 +64,13 @@ def _scale_free_reason(name: str, job: VictimJob) -> str | None:
         return f"{name} reads an Adam round's update; job {job.job_id} holds an update of {optimizer.title}"
     if plan.dp is not None or plan.proximal_mu or job.copies > 1:
         why = (
-            "DP-SGD's noise"
+            "DP-SGD's noise breaks"
             if plan.dp is not None
-            else "FedProx's term"
+            else "FedProx's term breaks"
             if plan.proximal_mu
-            else "an unknown batch order's copies"
+            else "an unknown batch order's copies break"
         )
-        return (
-            f"{name} needs every step's gradient to be the image's times its own scale; in job {job.job_id} "
-            f"{why} break it"
-        )
+        return f"{name} needs every step's gradient to be the image's times its own scale; in job {job.job_id} {why} it"
     open_ = box_leaves_open(job)
     if open_ is not None:
         return f"{name} cannot take job {job.job_id}: {open_}"
