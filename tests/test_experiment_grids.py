@@ -246,6 +246,18 @@ def test_a_grid_file_loads(tmp_path: Path) -> None:
     assert exp.name == "g" and [c.key for c in exp.cells] == ["g-mlp-p0.25", "g-mlp-p0.5"]
 
 
+def test_a_cells_caption_shows_the_cap_the_run_used(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text(
+        "grids:\n- id: '{model}'\n  cell: {dataset: mnist, p: 0.25, attacks: [dia], overrides: {max_iterations: 500}}\n"
+        "  axes:\n    model: [mlp]\n"
+    )
+    (cell,) = load_experiment(path).cells
+    assert "max_iterations=500" in cell.label()
+    # --iterations replaces the config's cap in the caption, as it does in the run
+    assert "max_iterations=4000" in cell.label(4000) and "500" not in cell.label(4000)
+
+
 GOOD = {
     "id": "{model}-p{p}",
     "cell": {"dataset": "mnist", "attacks": ["dia"]},

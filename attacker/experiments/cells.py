@@ -91,8 +91,13 @@ class Cell:
         federated victims, or the cell runs its own federation (e.g. a defense), then always."""
         return settings.victim_source == "federated" or bool(self.federation)
 
-    def label(self) -> str:
-        extra = "".join(f", {k}={v}" for k, v in {**self.federation, **self.overrides}.items())
+    def label(self, iterations: int | None = None) -> str:
+        """The cell in words; ``iterations`` (the command line's --iterations) replaces the config's
+        cap, so a caption never shows a cap the run did not use."""
+        overrides = dict(self.overrides)
+        if iterations is not None:
+            overrides["max_iterations"] = iterations
+        extra = "".join(f", {k}={v}" for k, v in {**self.federation, **overrides}.items())
         return f"{self.model}/{self.dataset} p={self.p:g} B={self.B}{extra}"
 
 

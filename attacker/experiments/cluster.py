@@ -295,11 +295,11 @@ def run_cells(
         retry_exceptions=_retry_on(),
     )(CELL_TASK)
     cwd = os.getcwd()
-    pending: dict[Any, tuple[Cell, Path]] = {}
+    pending: dict[Any, tuple[Cell, Path, str]] = {}
     for cell, cfg, run_dir in todo:
         (run_dir / "failed.txt").unlink(missing_ok=True)
         ref = task.options(name=f"cell {cell.key}").remote(cfg, str(run_dir.resolve()), cwd, threads)
-        pending[ref] = (cell, run_dir)
+        pending[ref] = (cell, run_dir, cell.label(cfg.attack_overrides.get("max_iterations")))
     counts = {"ran": 0, "failed": 0}
     total = len(pending)
     while pending:
@@ -311,7 +311,7 @@ def run_cells(
             _check_alive(HEALTH_CHECK_S)
             continue
         for ref in done:
-            cell, run_dir = pending.pop(ref)
+            cell, run_dir, label = pending.pop(ref)
             n = counts["ran"] + counts["failed"] + 1
             head = f"[{n}/{total}] {cell.key}"
             try:
@@ -325,10 +325,7 @@ def run_cells(
                 message = f"{_one_line(err)} (after {_retries(opts.max_retries)})"
             else:
                 counts["ran"] += 1
-                log(
-                    f"[bold cyan]{head}[/bold cyan]: {cell.label()} finished in {result['seconds']:.0f} s "
-                    f"on {result['node']}"
-                )
+                log(f"[bold cyan]{head}[/bold cyan]: {label} finished in {result['seconds']:.0f} s on {result['node']}")
                 on_finished()
                 continue
             counts["failed"] += 1

@@ -264,7 +264,7 @@ def write_report(
             lines.append("\n<details><summary>Reconstructions and loss curves per cell</summary>\n")
             for c in shown:
                 lines.append(
-                    f"\n**{c.key}** ({c.label()}) — [report](cells/{c.key}/report.md)\n\n"
+                    f"\n**{c.key}** ({c.label(settings.iterations)}) — [report](cells/{c.key}/report.md)\n\n"
                     f"![grid](cells/{c.key}/grid.png) ![loss](cells/{c.key}/loss_curves.png)\n"
                 )
             lines.append("\n</details>\n")

@@ -185,7 +185,7 @@ def _run_sequential(
         ran = counts["ran"]
         eta = f", about {elapsed / ran * (len(selected) - n + 1) / 60:.0f} min left" if ran else ""
         resume = " (resuming)" if run_dir.exists() else ""
-        log(f"[bold cyan]{head}[/bold cyan]{resume}: {cell.label()}, {', '.join(cell.attacks)}{eta}")
+        log(f"[bold cyan]{head}[/bold cyan]{resume}: {cell.label(settings.iterations)}, {', '.join(cell.attacks)}{eta}")
         (run_dir / "failed.txt").unlink(missing_ok=True)
         try:
             if cell.federated(settings):
