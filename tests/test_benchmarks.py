@@ -57,3 +57,20 @@ def test_adam_span_shows_sgd_in_the_images_span_and_adam_out_of_it():
     assert rows["sgd", 1]["in span"] > 0.9999 and rows["sgd", 8]["in span"] > 0.9999  # D^T X, exactly
     assert rows["adam", 8]["in span"] < 0.95  # Adam's elementwise step leaves the span
     assert rows["adam", 1]["sign fit"] > 0.999 > rows["sgd", 1]["sign fit"]  # one image: u sign(x)^T
+
+
+def test_hold_share_holds_the_first_n_true_images_and_refuses_a_taken_folder(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from hold_share import held_truth, main
+
+    truth = torch.rand(4, 1, 28, 28)
+    guess = held_truth({"job0": truth}, 2)(None, SimpleNamespace(job_id="job0"))
+    assert guess.held.tolist() == [True, True, False, False]
+    assert torch.equal(guess.images[:2], truth[:2]) and not torch.equal(guess.images[2:], truth[2:])
+    (tmp_path / "held2").mkdir()
+    assert main(["--held", "2", "--out", str(tmp_path)]) == 2  # before loading anything
+    assert main(["--held", "64", "--out", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "held2 exists" in err and "the batch size 64)" in err
+    assert not (tmp_path / "new").exists()
