@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from attacker.closed_form import run as closed_form_run
-from attacker.config import parse_config
+from attacker.config import ConfigError, parse_config
 from attacker.pipeline import load_jobs, run_attack
 
 ROUND = {"local_epochs": 4, "batch_size": 64, "optimizer": "sgd", "lr": 0.05, "batch_order": "in-order"}
@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --held {too_many[0]} must be in [0, the batch size {args.batch_size})", file=sys.stderr)
         return 2
     cfg = parse_config(config(args.batch_size, args.iterations, args.lr))
-    jobs, oracles = load_jobs(cfg, log=lambda *_: None)
+    try:
+        jobs, oracles = load_jobs(cfg, log=lambda *_: None)
+    except (ConfigError, OSError) as err:  # e.g. the paper's victims not fetched and no network
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     truths = {job.job_id: oracle.images for job, oracle in zip(jobs, oracles)}
     original = closed_form_run.ClosedForms.first_guess
     what = f"B = {args.batch_size}, dia_hold cap {args.iterations}, lr {args.lr:g}"
