@@ -24,6 +24,7 @@ import torch
 from attacker.closed_form import run as closed_form_run
 from attacker.config import ConfigError, parse_config
 from attacker.pipeline import load_jobs, run_attack
+from fedsim.data import DataUnavailableError, VictimFileError
 
 ROUND = {"local_epochs": 4, "batch_size": 64, "optimizer": "sgd", "lr": 0.05, "batch_order": "in-order"}
 
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(config(args.batch_size, args.iterations, args.lr))
     try:
         jobs, oracles = load_jobs(cfg, log=lambda *_: None)
-    except (ConfigError, OSError) as err:  # e.g. the paper's victims not fetched and no network
+    # e.g. the paper's victims not fetched and no network: the CLI's own one-line errors
+    except (ConfigError, VictimFileError, DataUnavailableError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     truths = {job.job_id: oracle.images for job, oracle in zip(jobs, oracles)}
