@@ -430,6 +430,41 @@ def test_dia_hold_keeps_the_images_a_partial_separation_pinned_down_and_learns_t
         make_attack("dia", hold_certain=True)
 
 
+def test_the_vertex_search_alone_finds_images_with_a_background_and_only_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the hyperplane search held to one image, the vertex search (linear programs over the sign of
+    x - low) finds the other five of a B = 6 span, each exactly; every vertex it yields that passes the box and the
+    background check is one of the images (a mix with negative weights would fail the box or its darkness)."""
+    from attacker.closed_form import separation
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    ((images, _),) = _dark_victims(spec, 6, seed=4)
+    flat = images.flatten(1).double()
+    low, high = (t.expand(*spec.input_shape).reshape(-1).double() for t in box_bounds(get_spec("mnist", 1)))
+    mixing = torch.randn(6, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    space = torch.linalg.qr((mixing @ flat).T).Q.T  # orthonormal rows spanning the images, as an SVD gives
+    rows = torch.cat([space.T, low[:, None]], dim=1)
+    vertices = list(separation.box_vertices(separation._distinct(rows), 30, torch.Generator().manual_seed(0)))
+    assert vertices and all(n.shape == (7,) for n in vertices)
+    images_found = set()
+    for n in vertices:
+        x = (n[:-1] * (-1.0 / n[-1])) @ space
+        in_box = bool(((x > low - 1e-6) & (x < high + 1e-6)).all())
+        if in_box and int(((x - low).abs() < 1e-6).sum()) >= x.numel() // 4:
+            distance = torch.linalg.norm(flat - x, dim=1) / torch.linalg.norm(flat, dim=1)
+            assert float(distance.min()) < 1e-6  # an image, not a mix
+            images_found.add(int(distance.argmin()))
+    assert len(images_found) >= 3
+    # the hyperplane search finds only the first image (it shows the data has a background); the rest is the
+    # vertex search's
+    first = torch.cat([flat[0] @ space.T, -torch.ones(1, dtype=torch.float64)])[None]
+    monkeypatch.setattr(separation, "reweighted_normals", lambda *a, **k: first)
+    sep = separation.separate_by_level(space, low, high, torch.Generator().manual_seed(0))
+    assert sep.images.shape[0] == 6
+    assert float((torch.cdist(sep.images, flat).min(dim=1).values / flat.norm(dim=1).min()).max()) < 1e-6
+
+
 def test_dark_background_claims_nothing_where_the_images_have_no_background() -> None:
     """Uniform-noise images have no pixel at the low value: no image is found, the answer is the span's
     directions (a start for DIA), never claimed exact; an Adam round is refused with the reason."""
