@@ -28,6 +28,7 @@ _FRACTION = Range(0, 1, low_open=True)
 _NUMBERS: dict[str, Range] = {
     **dict.fromkeys(("max_iterations", "patience", "plateau_patience", "restarts"), _POSITIVE_INT),
     **dict.fromkeys(("lr", "plateau_factor"), _POSITIVE),
+    "snap_every": Range(0, integer=True, words="an integer >= 0"),
     **dict.fromkeys(
         ("replay_eps_start", "replay_eps_end"),
         Range(0, low_open=True, optional=True, words="a positive number (or null)"),
@@ -56,6 +57,10 @@ class AttackConfig:
     # with image_init closed_form: hold the images the solver's own check pinned down exactly (a partial
     # separation's found images) at their values, so the optimization learns only the rest and the masks
     hold_certain: bool = False
+    # with hold_certain: every this many iterations (0: never), the images the closed form can tell exactly
+    # from the optimization's (``Solver.snap``: dark_background's nearest image with a background) join the
+    # held ones, so each stage learns fewer (docs/results/deployed.md: the MLP's B = 64 SGD round)
+    snap_every: int = 0
     # hold the dummies in the images' span, the row space of the first Linear's gradient (engine/span.py:
     # a first Linear on the flattened image and a one-step gradient or an SGD update; ignored elsewhere)
     image_span: bool = False
@@ -117,6 +122,8 @@ class AttackConfig:
             raise AttackConfigError(
                 f"attack {self.name}: hold_certain holds a closed form's images and needs image_init: closed_form"
             )
+        if self.snap_every and not self.hold_certain:
+            raise AttackConfigError(f"attack {self.name}: snap_every adds to the held images and needs hold_certain")
         if self.mask_init not in MASK_INITS:
             raise AttackConfigError(
                 f"attack {self.name}: mask_init must be one of {MASK_INITS}, got {self.mask_init!r}"
@@ -162,8 +169,11 @@ PRESETS: dict[str, AttackConfig] = {
     "dia_cf": AttackConfig("dia_cf", masks="learn", image_init="closed_form"),
     # DIA in the images' span started from a closed form's partial answer, holding the images the closed form's
     # own per-image check pinned down: it learns only the rest and the masks (docs/results/deployed.md: the
-    # MLP's B = 32 SGD round, dark_background's 14 of 32 held, 32 of 32 recognisable)
-    "dia_hold": AttackConfig("dia_hold", masks="learn", image_init="closed_form", hold_certain=True, image_span=True),
+    # MLP's B = 32 SGD round, dark_background's 14 of 32 held, 32 of 32 recognisable); every 500 iterations the
+    # images the closed form can tell exactly from its dummies join the held ones (snap_every)
+    "dia_hold": AttackConfig(
+        "dia_hold", masks="learn", image_init="closed_form", hold_certain=True, image_span=True, snap_every=500
+    ),
     # DIA with the dummies held in the images' span read off the first Linear's gradient (B x B unknowns
     # per batch instead of B x pixels): batches of 16-64 and SGD rounds of an MLP
     "dia_span": AttackConfig("dia_span", masks="learn", image_span=True),

@@ -465,6 +465,63 @@ def test_the_vertex_search_alone_finds_images_with_a_background_and_only_them(
     assert float((torch.cdist(sep.images, flat).min(dim=1).values / flat.norm(dim=1).min()).max()) < 1e-6
 
 
+def test_dark_background_snaps_approximations_to_the_exact_images_and_nothing_else() -> None:
+    """An SGD round of six images on a background: images within a little noise of three of them snap to
+    those exactly (in their places); a noise image, a slot all at the background (no ink to aim at) and a slot
+    whose image another slot is nearer to do not, and the nearer one takes it."""
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=2, batch_size=6, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), (oracle,) = jobs_from_images(spec, _dark_victims(spec, 6, seed=2), plan=plan)
+    truth = oracle.images
+    gen = torch.Generator().manual_seed(5)
+    approx = truth + 0.05 * torch.randn(truth.shape, generator=gen)
+    approx[3] = torch.randn(truth[3].shape, generator=gen)  # no image near it
+    approx[4] = truth[0] + 0.01 * torch.randn(truth[0].shape, generator=gen)  # nearer slot 0's image than its own
+    low, _ = box_bounds(get_spec("mnist", 1))
+    approx[5] = low.expand(truth[5].shape)  # all background: no ink to aim at
+    images, taken = ClosedForms().snap(job, approx)
+    assert taken.tolist() == [False, True, True, False, True, False]
+    assert torch.allclose(images[1:3], truth[1:3], atol=1e-3) and torch.allclose(images[4], truth[0], atol=1e-3)
+    assert torch.equal(images[~taken], approx[~taken])
+
+
+def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """snap_every: at each due epoch end the images ``ClosedForms.snap`` returns as exact join the held ones
+    and stay at those values to the end; without snap_every nothing is added."""
+    from engine_harness import fit_attack
+
+    from attacker.engine.inversion import InversionModule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    plan = LocalPlan(Schedule(epochs=2, batch_size=4, order="in-order"), OptimizerSpec("sgd", 0.05))
+    # an SGD round of noise images: dark_background takes it and holds none
+    (job,), (oracle,) = jobs_from_images(spec, _victims(spec, n=1, batch=4, seed=6), plan=plan)
+    asked = []
+
+    def snap(self, job_, images):
+        asked.append(images.shape)
+        taken = torch.tensor([False, True, False, False])
+        return torch.where(taken[:, None, None, None], oracle.images, images), taken
+
+    monkeypatch.setattr(ClosedForms, "snap", snap)
+    snapping = make_attack("dia_hold", max_iterations=30, snap_every=10, patience=1000)
+    plain = make_attack("dia_hold", max_iterations=30, snap_every=0, patience=1000)
+    module = InversionModule([job, job], [snapping, plain], None)
+    module.chunk = 10
+    held_before = module.unknowns.held.clone()
+    result, other = fit_attack(module, max_epochs=3)
+    assert asked and all(shape == oracle.images.shape for shape in asked)
+    assert not bool(held_before[0, 1]) and module.snapped == [1, 0]
+    assert bool(module.unknowns.held[0, 1]) and torch.equal(module.unknowns.held[1], held_before[1])
+    assert torch.allclose(module.unknowns.image_stack[0, 1], oracle.images[1])
+    with pytest.raises(ValueError, match="snap_every adds to the held images and needs hold_certain"):
+        make_attack("dia", snap_every=10)
+
+
 def test_dark_background_claims_nothing_where_the_images_have_no_background() -> None:
     """Uniform-noise images have no pixel at the low value: no image is found, the answer is the span's
     directions (a start for DIA), never claimed exact; an Adam round is refused with the reason."""

@@ -166,6 +166,18 @@ class ClosedForms:
                 return Guess(images[order], held[order])
         return None
 
+    def snap(self, job: VictimJob, images: Tensor) -> tuple[Tensor, Tensor] | None:
+        """An optimization's images of ``job`` (its order) with those the solver ``first_guess`` starts from
+        can tell exactly replaced by the exact images, and which they are (``Solver.snap``); None where
+        that solver cannot snap, or none applies."""
+        for name, solver in SOLVERS.items():
+            if self.reason(name, job) is not None:
+                continue
+            if solver.snap is None:
+                return None
+            return solver.snap(self._structure(name, job), job, self.model(job), images)
+        return None
+
     def _solve(self, name: str, job: VictimJob) -> tuple[Solution, float]:
         # A run solves a job for the closed-form attack and again for an optimization that starts from the
         # answer (dia_cf, dia_hold), each with its own ClosedForms: the solves are deterministic, so the last

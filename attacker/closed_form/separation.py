@@ -396,6 +396,47 @@ def _rigid(rows: Tensor, b: int) -> bool:
     return float(s[b - 1] / s[0]) > LEVEL_RIGID
 
 
+def _level_image(n: Tensor, v: Tensor, rows: Tensor, low: Tensor, high: Tensor) -> Tensor | None:
+    """The image of normal ``n`` of the rows [V^T, low], x = a V for n = [a, -1] up to scale, where it is one:
+    inside the box, a quarter of its entries at the low value, and those entries' rows fixing its plane
+    alone (``_rigid``); None otherwise."""
+    if float(n[-1].abs()) < 1e-12:
+        return None
+    x = (n[:-1] * (-1.0 / n[-1])) @ v
+    if not bool(((x > low - LEVEL_ATOL) & (x < high + LEVEL_ATOL)).all()):
+        return None
+    dark = (x - low).abs() < LEVEL_ATOL
+    if int(dark.sum()) < x.numel() // 4 or not _rigid(rows[dark], v.shape[0]):
+        return None
+    return x
+
+
+def _same(x: Tensor, y: Tensor) -> bool:
+    return float(torch.linalg.norm(x - y)) < 1e-3 * float(torch.linalg.norm(y))
+
+
+def _vertex(a: np.ndarray, w: np.ndarray, j: int) -> np.ndarray | None:
+    """The reweighted program of ``box_vertices`` from weights ``w`` and the entry ``j`` held at 1."""
+    entries, dim = a.shape
+    n = None
+    for step in range(VERTEX_REWEIGHTS):
+        answer = linprog(
+            a.T @ w,
+            A_ub=-a,
+            b_ub=np.zeros(entries),
+            A_eq=a[j : j + 1],
+            b_eq=[1.0],
+            bounds=[(None, None)] * dim,
+            method="highs",
+        )
+        if answer.status != 0:  # an entry no image inks (y_j = 1 is out of reach), or a failed solve
+            break
+        n = answer.x
+        y = np.clip(a @ n, 0.0, None)
+        w = 1.0 / (y + 0.1 * y.max() * 0.5**step)
+    return n
+
+
 def box_vertices(rows: Tensor, programs: int, gen: torch.Generator) -> Iterator[Tensor]:
     """Normals n of the rows (entries x (B + 1), [V^T, low]) whose y = rows @ n is >= 0 and as sparse as a linear
     program gets it, one per program. An image's y_b = s (x_b - low) is >= 0 on every entry and 0 on its
@@ -408,26 +449,9 @@ def box_vertices(rows: Tensor, programs: int, gen: torch.Generator) -> Iterator[
     caller's box and background checks drop them. A generator: the caller stops it once it has what it needs.
     scipy's HiGHS solves the programs (torch has no linear-programming solver)."""
     a = rows.double().numpy()
-    entries, dim = a.shape
     for _ in range(programs):
-        j = int(torch.randint(entries, (1,), generator=gen))
-        w = (0.5 + torch.rand(entries, generator=gen, dtype=torch.float64)).numpy()
-        n = None
-        for step in range(VERTEX_REWEIGHTS):
-            answer = linprog(
-                a.T @ w,
-                A_ub=-a,
-                b_ub=np.zeros(entries),
-                A_eq=a[j : j + 1],
-                b_eq=[1.0],
-                bounds=[(None, None)] * dim,
-                method="highs",
-            )
-            if answer.status != 0:  # an entry no image inks (y_j = 1 is out of reach), or a failed solve
-                break
-            n = answer.x
-            y = np.clip(a @ n, 0.0, None)
-            w = 1.0 / (y + 0.1 * y.max() * 0.5**step)
+        j = int(torch.randint(a.shape[0], (1,), generator=gen))
+        n = _vertex(a, (0.5 + torch.rand(a.shape[0], generator=gen, dtype=torch.float64)).numpy(), j)
         if n is not None:
             yield torch.from_numpy(n)
 
@@ -454,15 +478,10 @@ def separate_by_level(space: Tensor, low: Tensor, high: Tensor, gen: torch.Gener
     def consider(found: Tensor) -> int:
         new = 0
         for n in found:
-            if float(n[-1].abs()) < 1e-12 or len(images) == b:
+            if len(images) == b:
                 continue
-            x = (n[:-1] * (-1.0 / n[-1])) @ v  # [a, -1]: the image a V
-            if not bool(((x > low64 - LEVEL_ATOL) & (x < high64 + LEVEL_ATOL)).all()):
-                continue
-            dark = (x - low64).abs() < LEVEL_ATOL
-            if int(dark.sum()) < x.numel() // 4 or not _rigid(rows[dark], b):
-                continue
-            if any(float(torch.linalg.norm(x - y)) < 1e-3 * float(torch.linalg.norm(y)) for y in images):
+            x = _level_image(n, v, rows, low64, high64)
+            if x is None or any(_same(x, y) for y in images):
                 continue
             images.append(x)
             normals.append(n / torch.linalg.norm(n))
@@ -489,3 +508,25 @@ def separate_by_level(space: Tensor, low: Tensor, high: Tensor, gen: torch.Gener
     dark = (stack - low64).abs() < LEVEL_ATOL
     misfit = float(((stack - low64).abs() * dark).amax(dim=1).div(torch.linalg.norm(stack, dim=1)).max())
     return Leveled(stack, [int(c) for c in dark.sum(dim=1)], misfit)
+
+
+def snap_to_level(space: Tensor, low: Tensor, high: Tensor, approximate: Tensor) -> list[Tensor | None]:
+    """Per row of ``approximate`` (k x entries: an optimization's images, not yet exact), the image with a
+    background that it is near, where one passes the same checks as the separation's (``_level_image``);
+    None elsewhere. The vertex search's program, aimed: weights 1 / (y + eps) from the approximation's own
+    ink y = x - low, and its inkiest entry held at 1, so the nearest sparse vertex is the one found. Measured
+    on the MLP's FedAvg SGD round (MNIST p = 0.25, B = 64, the paper's first victims): dia_hold's images at
+    cap 3,000, 29 of 64 recognisable with the separation's 26 held, snap to 46 exact images in 22 s."""
+    v = space.double()
+    rows = torch.cat([v.T, low.double()[:, None]], dim=1)
+    a = rows.numpy()
+    out: list[Tensor | None] = []
+    for x in approximate.double():
+        ink = (x - low.double()).clamp_min(0.0)
+        if float(ink.max()) <= 0:
+            out.append(None)
+            continue
+        y = ink.numpy()
+        n = _vertex(a, 1.0 / (y + 0.1 * y.max()), int(ink.argmax()))
+        out.append(None if n is None else _level_image(torch.from_numpy(n), v, rows, low.double(), high.double()))
+    return out

@@ -32,6 +32,7 @@ from .separation import (
     complete_by_smoothness,
     refine_by_zeros,
     separate_by_level,
+    snap_to_level,
     unmix,
     zero_tolerance,
 )
@@ -98,6 +99,11 @@ class Solver:
     # True: it takes only the update of one image's round of scale-free elementwise steps (Adam: fedsim's
     # ClientOptimizer.scale_free_steps), and neither a gradient nor another optimizer's update
     scale_free_updates: bool = False
+    # (structure, job, model, images) -> (images, certain): where the solver can tell an image exactly from an
+    # optimization's approximation of it (dark_background: the nearest image with a background), the images
+    # with those put in and which they are; None: it cannot (an optimization holding its images then learns
+    # the rest alone)
+    snap: Callable[[Any, VictimJob, nn.Module, Tensor], tuple[Tensor, Tensor]] | None = None
 
 
 SOLVERS: dict[str, Solver] = {}
@@ -115,6 +121,7 @@ def solver(
     single_updates: bool = False,
     updates: bool = False,
     scale_free_updates: bool = False,
+    snap: Callable[[Any, VictimJob, nn.Module, Tensor], tuple[Tensor, Tensor]] | None = None,
 ):
     def register(fn: Callable[[Any, VictimJob, nn.Module], Solution]) -> Callable[..., Solution]:
         SOLVERS[name] = Solver(
@@ -129,6 +136,7 @@ def solver(
             single_updates,
             updates,
             scale_free_updates,
+            snap,
         )
         return fn
 
@@ -608,6 +616,38 @@ def _fill_span(space: Tensor, found: Tensor, missing: int, size: float) -> Tenso
     return directions * size
 
 
+def _level_problem(found: _Flat, job: VictimJob, model: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+    """The images' span (the first Linear's top B right singular vectors) and the box's bounds on its entries."""
+    dw = _grads(job, model)[found.layer.weight]
+    space = torch.linalg.svd(dw, full_matrices=False).Vh[: job.batch_size]
+    low, high = box_bounds(get_spec(job.spec.dataset, found.input_shape[0]), dtype=torch.float64)
+    entries = found.layer.pixels.reshape(-1)
+    low_e = low.expand(*found.input_shape).reshape(-1)[entries]
+    high_e = high.expand(*found.input_shape).reshape(-1)[entries]
+    return space, low_e, high_e
+
+
+def snap_dark_background(found: _Flat, job: VictimJob, model: nn.Module, images: Tensor) -> tuple[Tensor, Tensor]:
+    """An optimization's images (the job's order) with each one that is near an image with a background
+    replaced by that image, exactly (``separation.snap_to_level``), and which were. An image is taken only
+    where the one it snaps to is nearer to it than to any other of the batch (so it keeps its place and
+    label), and only once."""
+    space, low_e, high_e = _level_problem(found, job, model)
+    entries = found.layer.pixels.reshape(-1)
+    flat = images.detach().double().cpu().reshape(images.shape[0], -1)[:, entries]
+    snapped = snap_to_level(space, low_e, high_e, flat)
+    out, taken = flat.clone(), torch.zeros(len(flat), dtype=torch.bool)
+    for k, x in enumerate(snapped):
+        if x is None or int(torch.linalg.norm(flat - x, dim=1).argmin()) != k:
+            continue
+        if any(float(torch.linalg.norm(x - out[i])) < 1e-3 * float(torch.linalg.norm(x)) for i in taken.nonzero()):
+            continue
+        out[k], taken[k] = x, True
+    whole = images.detach().double().cpu().reshape(images.shape[0], -1).clone()
+    whole[:, entries] = out
+    return whole.reshape(images.shape).to(images.dtype), taken
+
+
 @solver(
     "dark_background",
     needs="a first Linear layer on the flattened image",
@@ -621,6 +661,7 @@ def _fill_span(space: Tensor, found: Tensor, missing: int, size: float) -> Tenso
     ordered=False,
     single_updates=True,
     updates=True,
+    snap=snap_dark_background,
 )
 def solve_dark_background(found: _Flat, job: VictimJob, model: nn.Module) -> Solution:
     """dL/dW (or an SGD round's update of W) = sum_b delta_b x_b^T: its top B right singular vectors V span
@@ -631,12 +672,7 @@ def solve_dark_background(found: _Flat, job: VictimJob, model: nn.Module) -> Sol
     orthogonal to the found ones, and the answer is then partial (inexact), for DIA to start from
     (``dia_cf``). Where the data has no background the search finds none."""
     layer, b = found.layer, job.batch_size
-    dw = _grads(job, model)[layer.weight]
-    space = torch.linalg.svd(dw, full_matrices=False).Vh[:b]
-    low, high = box_bounds(get_spec(job.spec.dataset, found.input_shape[0]), dtype=torch.float64)
-    entries = layer.pixels.reshape(-1)
-    low_e = low.expand(*found.input_shape).reshape(-1)[entries]
-    high_e = high.expand(*found.input_shape).reshape(-1)[entries]
+    space, low_e, high_e = _level_problem(found, job, model)
     sep = separate_by_level(space, low_e, high_e, torch.Generator().manual_seed(0))
     k = sep.images.shape[0]
     size = float(torch.linalg.norm(sep.images, dim=1).mean()) if k else float(torch.linalg.norm(low_e))

@@ -27,6 +27,7 @@ from fedsim.data import box_bounds, get_spec
 from fedsim.models import DropoutMode, mask_shapes, set_dropout_mode, set_masks
 
 from ..attacks import AttackConfig
+from ..closed_form.run import ClosedForms
 from ..jobs import JobResult, Oracle, VictimJob, merge_copies, model_from_job
 from .checkpoints import CHECKPOINT_EVERY
 from .features import FeatureTargets
@@ -85,6 +86,8 @@ class InversionModule(LightningModule):
         box = box_bounds(get_spec(first.spec.dataset, first.spec.input_shape[0]))
         self.unknowns = Unknowns(jobs, attacks, oracles, seed, model, self.mask_shapes, box)
         self.state = JobState.start(attacks)
+        self._snaps = [0] * len(jobs)  # per job, the snaps taken (attack.snap_every)
+        self.snapped = [0] * len(jobs)  # per job, the images its snaps added to the held ones
         # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
         adam = first.plan is not None and first.plan.optimizer.algorithm.smoothed_eps_replay
         self.smoothing_ends = [smoothing_end(a) if adam else None for a in attacks]
@@ -146,6 +149,26 @@ class InversionModule(LightningModule):
         self._threads = torch.get_num_threads()
         if self.matcher.plan is not None and self.device.type == "cpu":
             torch.set_num_threads(1)
+
+    def on_train_epoch_end(self) -> None:
+        """Every ``snap_every`` iterations of an attack that asks: the images its closed form can now tell
+        exactly from the dummies join the held ones (``ClosedForms.snap``). On resume the held set starts
+        again from the closed form's first answer; the snapped images are still the dummies' values, and
+        the next snap holds them again."""
+        due = [
+            j
+            for j in self.active()
+            if self.attacks[j].snap_every and self.state.iteration // self.attacks[j].snap_every > self._snaps[j]
+        ]
+        if not due:
+            return
+        forms = ClosedForms()
+        for j in due:
+            self._snaps[j] = self.state.iteration // self.attacks[j].snap_every
+            snapped = forms.snap(self.jobs[j], self.unknowns.image_stack[j].detach().cpu())
+            if snapped is not None:
+                added = self.unknowns.hold_more(j, *snapped)
+                self.snapped[j] += added
 
     def on_train_end(self) -> None:
         torch.set_num_threads(getattr(self, "_threads", torch.get_num_threads()))

@@ -147,6 +147,23 @@ class Unknowns(nn.Module):
         view = self.held.reshape(*self.held.shape, *([1] * (stack.dim() - 2)))
         return torch.where(view, self.held_images, stack)
 
+    def hold_more(self, j: int, images: Tensor, taken: Tensor) -> int:
+        """Job j's images where ``taken`` (B,) held from now on at ``images``' values (a closed form's snap):
+        its dummies and held values there are set, the rest untouched. Returns how many were newly held."""
+        with torch.no_grad():
+            new = taken.to(self.held.device) & ~self.held[j]
+            if not bool(new.any()):
+                return 0
+            if not self.holds:  # the first held images of the module: the buffer of their values is made
+                self.held_images = self.image_stack.detach().clone()
+                self.holds = True
+            values = images.to(self.image_stack.device, self.image_stack.dtype)
+            view = new.reshape(-1, *([1] * (values.dim() - 1)))
+            self.held_images[j] = torch.where(view, values, self.held_images[j])
+            self.held[j] |= new
+            self.image_stack[j] = torch.where(view, values, self.image_stack[j])
+        return int(new.sum())
+
     # -- reading -----------------------------------------------------------------------------------
     @property
     def images(self) -> list[Tensor]:
