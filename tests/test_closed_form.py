@@ -485,6 +485,9 @@ def test_dark_background_snaps_approximations_to_the_exact_images_and_nothing_el
     assert taken.tolist() == [False, True, True, False, True, False]
     assert torch.allclose(images[1:3], truth[1:3], atol=1e-3) and torch.allclose(images[4], truth[0], atol=1e-3)
     assert torch.equal(images[~taken], approx[~taken])
+    # an SGD round of noise images: the separation pinned nothing down, so there is nothing to snap to
+    (noise,), (noise_oracle,) = jobs_from_images(spec, _victims(spec, n=1, batch=4, seed=6), plan=plan)
+    assert ClosedForms().snap(noise, noise_oracle.images) is None
 
 
 def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,11 +169,12 @@ class ClosedForms:
     def snap(self, job: VictimJob, images: Tensor) -> tuple[Tensor, Tensor] | None:
         """An optimization's images of ``job`` (its order) with those the solver ``first_guess`` starts from
         can tell exactly replaced by the exact images, and which they are (``Solver.snap``); None where
-        that solver cannot snap, or none applies."""
+        that solver cannot snap, none applies, or its answer pinned no image down (data without what it
+        reads, e.g. CIFAR-10's photos for dark_background: each snap would spend B programs for nothing)."""
         for name, solver in SOLVERS.items():
             if self.reason(name, job) is not None:
                 continue
-            if solver.snap is None:
+            if solver.snap is None or not any(self._solve(name, job)[0].certain or ()):
                 return None
             return solver.snap(self._structure(name, job), job, self.model(job), images)
         return None
