@@ -411,7 +411,8 @@ def _level_image(n: Tensor, v: Tensor, rows: Tensor, low: Tensor, high: Tensor) 
     return x
 
 
-def _same(x: Tensor, y: Tensor) -> bool:
+def same_image(x: Tensor, y: Tensor) -> bool:
+    """Whether two found images are one (to 1e-3 of ``y``'s norm)."""
     return float(torch.linalg.norm(x - y)) < 1e-3 * float(torch.linalg.norm(y))
 
 
@@ -481,7 +482,7 @@ def separate_by_level(space: Tensor, low: Tensor, high: Tensor, gen: torch.Gener
             if len(images) == b:
                 continue
             x = _level_image(n, v, rows, low64, high64)
-            if x is None or any(_same(x, y) for y in images):
+            if x is None or any(same_image(x, y) for y in images):
                 continue
             images.append(x)
             normals.append(n / torch.linalg.norm(n))

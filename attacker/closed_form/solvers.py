@@ -31,6 +31,7 @@ from .separation import (
     MASK_RTOL,
     complete_by_smoothness,
     refine_by_zeros,
+    same_image,
     separate_by_level,
     snap_to_level,
     unmix,
@@ -640,7 +641,7 @@ def snap_dark_background(found: _Flat, job: VictimJob, model: nn.Module, images:
     for k, x in enumerate(snapped):
         if x is None or int(torch.linalg.norm(flat - x, dim=1).argmin()) != k:
             continue
-        if any(float(torch.linalg.norm(x - out[i])) < 1e-3 * float(torch.linalg.norm(x)) for i in taken.nonzero()):
+        if any(same_image(out[i], x) for i in taken.nonzero().flatten()):
             continue
         out[k], taken[k] = x, True
     whole = images.detach().double().cpu().reshape(images.shape[0], -1).clone()
