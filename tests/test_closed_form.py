@@ -498,6 +498,42 @@ def test_dark_background_snaps_approximations_to_the_exact_images_and_nothing_el
     assert ClosedForms().snap(noise, noise_oracle.images) is None
 
 
+def test_a_one_step_job_starts_from_the_solver_that_pinned_the_most_and_snaps_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A one-step gradient of six images on a background, which cocktail_party (first in the table) and
+    dark_background both take. Where cocktail_party solves it exactly, the optimization starts from that answer
+    and no snap is tried. Where it pins nothing down (as at B = 64 under p = 0.25), the start is
+    dark_background's, holding its exact images, and the snaps are dark_background's."""
+    from attacker.closed_form import run, solvers
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    (job,), (oracle,) = jobs_from_images(spec, _dark_victims(spec, 6, seed=7))
+    truth = oracle.images
+    approx = truth + 0.05 * torch.randn(truth.shape, generator=torch.Generator().manual_seed(8))
+    monkeypatch.setattr(run, "_RECENT", {})
+    forms = ClosedForms()
+    assert forms.solve("cocktail_party", job).status == SOLVED
+    assert bool(forms.first_guess(job).held.all()) and forms.snap(job, approx) is None
+
+    real = solvers.SOLVERS["cocktail_party"]
+
+    def pins_nothing(found, job_, model):
+        answer = real.solve(found, job_, model)
+        return replace(answer, residual=1.0, certain=(False,) * job_.batch_size)
+
+    monkeypatch.setitem(solvers.SOLVERS, "cocktail_party", replace(real, solve=pins_nothing))
+    monkeypatch.setattr(run, "_RECENT", {})
+    forms = ClosedForms()
+    guess = forms.first_guess(job)
+    assert guess is not None and int(guess.held.sum()) >= 3
+    held = guess.images[guess.held].flatten(1)
+    assert float(torch.cdist(held, truth.flatten(1)).min(dim=1).values.max()) < 1e-3  # true images, held
+    snapped = forms.snap(job, approx)
+    assert snapped is not None and int(snapped[1].sum()) >= 3
+    assert torch.allclose(snapped[0][snapped[1]], truth[snapped[1]], atol=1e-3)
+
+
 def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> None:
     """snap_every: at each due epoch end the images ``ClosedForms.snap`` returns as exact join the held ones
     and stay at those values to the end; without snap_every nothing is added."""
@@ -531,6 +567,32 @@ def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.allclose(module.unknowns.image_stack[0, 1], oracle.images[1])
     with pytest.raises(ValueError, match="snap_every adds to the held images and needs hold_certain"):
         make_attack("dia", snap_every=10)
+
+
+def test_the_best_iterate_comes_after_a_snap_even_where_the_loss_was_lower_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snap's images are exact by their own check: the result keeps them even where the loss after the snap
+    stays above the best before it (here a snap that sets one slot to noise, which the loss cannot forgive)."""
+    from engine_harness import fit_attack
+
+    from attacker.engine.inversion import InversionModule
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=2, batch_size=4, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), _ = jobs_from_images(spec, _victims(spec, n=1, batch=4, seed=6), plan=plan)
+    noise = 3 * torch.randn(4, *spec.input_shape, generator=torch.Generator().manual_seed(9))
+    taken = torch.tensor([False, True, False, False])
+    monkeypatch.setattr(
+        ClosedForms, "snap", lambda self, job_, images: (torch.where(taken[:, None, None, None], noise, images), taken)
+    )
+    module = InversionModule([job], [make_attack("dia_hold", max_iterations=30, snap_every=10, patience=1000)], None)
+    module.chunk = 10
+    (result,) = fit_attack(module, max_epochs=3)
+    losses = module.state.losses[0]
+    assert min(losses[10:]) > min(losses[:10])  # the loss after the snap stays above the best before it
+    assert result.best_iteration >= 10 and torch.allclose(result.images[1], noise[1])
 
 
 def test_dark_background_claims_nothing_where_the_images_have_no_background() -> None:

@@ -146,37 +146,63 @@ class ClosedForms:
             return f"{name} needs {solver.needs}; {job.spec.name} has none ({found})"
         return None
 
+    def _applicable(self, job: VictimJob) -> list[str]:
+        return [name for name in SOLVERS if self.reason(name, job) is None]
+
+    def _start(self, job: VictimJob) -> str | None:
+        """The solver an optimization starts from: the first that applies and solves ``job`` exactly; else, of
+        those that apply, the one whose own checks pinned the most images down (the first at a tie). Two can
+        take one job and pin down different shares (a one-step B = 64 gradient under p = 0.25: cocktail_party's
+        plane search finds no plane, dark_background's background pins most digits), so the later ones are
+        solved only where the first left images open."""
+        best, most = None, -1
+        for name in self._applicable(job):
+            solution = self._solve(name, job)[0]
+            if solution.exact:
+                return name
+            pinned = sum(solution.certain or ())
+            if pinned > most:
+                best, most = name, pinned
+        return best
+
     def first_guess(self, job: VictimJob) -> Guess | None:
-        """The images of the first solver that applies to ``job`` (its answer, exact or partial: a
+        """The images of the solver ``_start`` picks for ``job`` (its answer, exact or partial: a
         rank-deficient system's minimum-norm solution), for an optimization to start from, and which of them
         their own check pinned down exactly; None where none applies."""
-        for name, solver in SOLVERS.items():
-            if self.reason(name, job) is not None:
-                continue
+        start = self._start(job)
+        if start is None:
+            return None
+        for name in [start] + [n for n in self._applicable(job) if n != start]:
             solution, _ = self._solve(name, job)
             images = self._clamped(solution, job)
             certain = solution.certain or (solution.exact,) * images.shape[0]
             held = torch.tensor(certain, dtype=torch.bool)
-            if solver.ordered:
+            if SOLVERS[name].ordered:
                 return Guess(images, held)
-            # a separating solver's images come in an order of their own: put them in the labels'
-            # an update's last Linear: its round's gradients summed (as_one_gradient), which the labels still fix
+            # a separating solver's images come in an order of their own: put them in the labels'; an update's
+            # last Linear: its round's gradients summed (as_one_gradient), which the labels still fix
             order = label_order(images, as_one_gradient(job) if job.plan else job, self.model(job))
             if order is not None:
                 return Guess(images[order], held[order])
         return None
 
     def snap(self, job: VictimJob, images: Tensor) -> tuple[Tensor, Tensor] | None:
-        """An optimization's images of ``job`` (its order) with those the solver ``first_guess`` starts from
-        can tell exactly replaced by the exact images, and which they are (``Solver.snap``); None where
-        that solver cannot snap, none applies, or its answer pinned no image down (data without what it
-        reads, e.g. CIFAR-10's photos for dark_background: each snap would spend B programs for nothing)."""
-        for name, solver in SOLVERS.items():
-            if self.reason(name, job) is not None:
-                continue
-            if solver.snap is None or not any(self._solve(name, job)[0].certain or ()):
-                return None
-            return solver.snap(self._structure(name, job), job, self.model(job), images)
+        """An optimization's images of ``job`` (its order) with those a solver can tell exactly replaced by the
+        exact images, and which they are (``Solver.snap``): by the solver the optimization started from
+        (``_start``) where it can snap, else, where that start left images open, by the first other that applies,
+        can snap and pinned at least one image itself. None where none can, or its answer pinned no image down
+        (data without what it reads, e.g. CIFAR-10's photos for dark_background: each snap would spend B
+        programs for nothing)."""
+        start = self._start(job)
+        if start is None:
+            return None
+        names = [start]
+        if not self._solve(start, job)[0].exact:  # an exact start holds every image: the others are not solved
+            names += [n for n in self._applicable(job) if n != start]
+        for name in names:
+            solver = SOLVERS[name]
+            if solver.snap is not None and any(self._solve(name, job)[0].certain or ()):
+                return solver.snap(self._structure(name, job), job, self.model(job), images)
         return None
 
     def _solve(self, name: str, job: VictimJob) -> tuple[Solution, float]:

@@ -152,7 +152,8 @@ class InversionModule(LightningModule):
 
     def on_train_epoch_end(self) -> None:
         """Every ``snap_every`` iterations of an attack that asks: the images its closed form can now tell
-        exactly from the dummies join the held ones (``ClosedForms.snap``). On resume the held set starts
+        exactly from the dummies join the held ones (``ClosedForms.snap``), and the job's best iterate is looked
+        for again from there (``JobState.restart_tracking``). On resume the held set starts
         again from the closed form's first answer; the snapped images are still the dummies' values, and
         the next snap holds them again."""
         due = [
@@ -169,6 +170,11 @@ class InversionModule(LightningModule):
             if snapped is not None:
                 added = self.unknowns.hold_more(j, *snapped)
                 self.snapped[j] += added
+                if added:
+                    # the snapped images are exact by their own check, whatever the loss says: a best iterate
+                    # from before the snap lacks them (the loss jumps while the free images let go of the
+                    # ghosts they shared with the snapped ones), so the best is looked for after it
+                    self.state.restart_tracking([j])
 
     def on_train_end(self) -> None:
         torch.set_num_threads(getattr(self, "_threads", torch.get_num_threads()))
