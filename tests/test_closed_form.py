@@ -569,6 +569,35 @@ def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> Non
         make_attack("dia", snap_every=10)
 
 
+def test_a_runs_snaps_solve_each_job_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every snap asks for the job's solves again; the module keeps one ClosedForms, so however many snaps
+    (and with the shared cache of recent solves gone), the solver runs once for the start and once for all
+    the snaps."""
+    from engine_harness import fit_attack
+
+    from attacker.closed_form import run, solvers
+    from attacker.engine.inversion import InversionModule
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=2, batch_size=6, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), _ = jobs_from_images(spec, _dark_victims(spec, 6, seed=3), plan=plan)
+    real, calls = solvers.SOLVERS["dark_background"], []
+
+    def counted(found, job_, model):
+        calls.append(job_.job_id)
+        answer = real.solve(found, job_, model)
+        return replace(answer, residual=1.0, certain=(True,) + (False,) * (job_.batch_size - 1))  # one pinned
+
+    monkeypatch.setitem(solvers.SOLVERS, "dark_background", replace(real, solve=counted))
+    monkeypatch.setattr(run, "_RECENT", {})
+    monkeypatch.setattr(run, "_RECENT_SIZE", 0)
+    module = InversionModule([job], [make_attack("dia_hold", max_iterations=40, snap_every=10, patience=1000)], None)
+    module.chunk = 10
+    fit_attack(module, max_epochs=4)
+    assert module._snaps[0] >= 2 and len(calls) == 2
+
+
 def test_the_best_iterate_comes_after_a_snap_even_where_the_loss_was_lower_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -88,6 +88,8 @@ class InversionModule(LightningModule):
         self.state = JobState.start(attacks)
         self._snaps = [0] * len(jobs)  # per job, the snaps taken (attack.snap_every)
         self.snapped = [0] * len(jobs)  # per job, the images its snaps added to the held ones
+        # one for the run: it keeps each job's solves, which every snap consults (a B = 64 separation takes minutes)
+        self._forms: ClosedForms | None = None
         # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
         adam = first.plan is not None and first.plan.optimizer.algorithm.smoothed_eps_replay
         self.smoothing_ends = [smoothing_end(a) if adam else None for a in attacks]
@@ -163,7 +165,9 @@ class InversionModule(LightningModule):
         ]
         if not due:
             return
-        forms = ClosedForms()
+        if self._forms is None:
+            self._forms = ClosedForms()
+        forms = self._forms
         for j in due:
             self._snaps[j] = self.state.iteration // self.attacks[j].snap_every
             snapped = forms.snap(self.jobs[j], self.unknowns.image_stack[j].detach().cpu())
