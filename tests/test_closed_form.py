@@ -549,7 +549,7 @@ def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> Non
     (job,), (oracle,) = jobs_from_images(spec, _victims(spec, n=1, batch=4, seed=6), plan=plan)
     asked = []
 
-    def snap(self, job_, images):
+    def snap(self, job_, images, held=None):
         asked.append(images.shape)
         taken = torch.tensor([False, True, False, False])
         return torch.where(taken[:, None, None, None], oracle.images, images), taken
@@ -567,6 +567,26 @@ def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.allclose(module.unknowns.image_stack[0, 1], oracle.images[1])
     with pytest.raises(ValueError, match="snap_every adds to the held images and needs hold_certain"):
         make_attack("dia", snap_every=10)
+
+
+def test_snaps_come_every_snap_every_iterations_not_only_at_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snap is due after the iteration that reaches a multiple of snap_every, whatever the checkpoint chunk:
+    with chunks of 25 and snap_every 10, a 30-iteration run snaps after iterations 10 and 20 (at the chunk's end
+    only, it would snap once, after 25; after 30 the job has ended)."""
+    from engine_harness import fit_attack
+
+    from attacker.engine.inversion import InversionModule
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=2, batch_size=4, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), _ = jobs_from_images(spec, _victims(spec, n=1, batch=4, seed=6), plan=plan)
+    at: list[int] = []
+    module = InversionModule([job], [make_attack("dia_hold", max_iterations=30, snap_every=10, patience=1000)], None)
+    module.chunk = 25
+    monkeypatch.setattr(ClosedForms, "snap", lambda self, job_, images, held=None: at.append(module.state.iteration))
+    fit_attack(module, max_epochs=2)
+    assert at == [10, 20]
 
 
 def test_a_runs_snaps_solve_each_job_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -613,15 +633,46 @@ def test_the_best_iterate_comes_after_a_snap_even_where_the_loss_was_lower_befor
     (job,), _ = jobs_from_images(spec, _victims(spec, n=1, batch=4, seed=6), plan=plan)
     noise = 3 * torch.randn(4, *spec.input_shape, generator=torch.Generator().manual_seed(9))
     taken = torch.tensor([False, True, False, False])
-    monkeypatch.setattr(
-        ClosedForms, "snap", lambda self, job_, images: (torch.where(taken[:, None, None, None], noise, images), taken)
-    )
+
+    def snap(self, job_, images, held=None):
+        return torch.where(taken[:, None, None, None], noise, images), taken
+
+    monkeypatch.setattr(ClosedForms, "snap", snap)
     module = InversionModule([job], [make_attack("dia_hold", max_iterations=30, snap_every=10, patience=1000)], None)
     module.chunk = 10
     (result,) = fit_attack(module, max_epochs=3)
     losses = module.state.losses[0]
     assert min(losses[10:]) > min(losses[:10])  # the loss after the snap stays above the best before it
     assert result.best_iteration >= 10 and torch.allclose(result.images[1], noise[1])
+
+
+def test_a_snap_searches_only_the_open_images_and_never_takes_a_held_ones_image(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held images are exact already: a snap runs its program for the other slots only, and a slot near a held
+    image does not take it a second time."""
+    from attacker.closed_form import solvers
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    plan = LocalPlan(Schedule(epochs=2, batch_size=6, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), (oracle,) = jobs_from_images(spec, _dark_victims(spec, 6, seed=2), plan=plan)
+    truth = oracle.images
+    approx = truth + 0.05 * torch.randn(truth.shape, generator=torch.Generator().manual_seed(5))
+    approx[4] = truth[0]  # held at slot 0's image: slot 0, near it, must not take it again
+    held = torch.tensor([False, True, False, False, True, False])
+    searched: list[int] = []
+    real = solvers.snap_to_level
+
+    def counted(space, low, high, rows):
+        searched.append(rows.shape[0])
+        return real(space, low, high, rows)
+
+    monkeypatch.setattr(solvers, "snap_to_level", counted)
+    images, taken = ClosedForms().snap(job, approx, held)
+    assert searched == [4]
+    assert taken.tolist() == [False, False, True, True, False, True]
+    assert torch.allclose(images[taken], truth[taken], atol=1e-3) and torch.equal(images[~taken], approx[~taken])
 
 
 def test_dark_background_claims_nothing_where_the_images_have_no_background() -> None:

@@ -187,9 +187,10 @@ class ClosedForms:
                 return Guess(images[order], held[order])
         return None
 
-    def snap(self, job: VictimJob, images: Tensor) -> tuple[Tensor, Tensor] | None:
+    def snap(self, job: VictimJob, images: Tensor, held: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
         """An optimization's images of ``job`` (its order) with those a solver can tell exactly replaced by the
-        exact images, and which they are (``Solver.snap``): by the solver the optimization started from
+        exact images, and which they are, of those not ``held`` (B,) already (default: none held)
+        (``Solver.snap``): by the solver the optimization started from
         (``_start``) where it can snap, else, where that start left images open, by the first other that applies,
         can snap and pinned at least one image itself. None where none can, or its answer pinned no image down
         (data without what it reads, e.g. CIFAR-10's photos for dark_background: each snap would spend B
@@ -203,7 +204,9 @@ class ClosedForms:
         for name in names:
             solver = SOLVERS[name]
             if solver.snap is not None and any(self._solve(name, job)[0].certain or ()):
-                return solver.snap(self._structure(name, job), job, self.model(job), images)
+                if held is None:
+                    held = torch.zeros(images.shape[0], dtype=torch.bool)
+                return solver.snap(self._structure(name, job), job, self.model(job), images, held)
         return None
 
     def _solve(self, name: str, job: VictimJob) -> tuple[Solution, float]:

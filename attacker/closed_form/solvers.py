@@ -100,11 +100,11 @@ class Solver:
     # True: it takes only the update of one image's round of scale-free elementwise steps (Adam: fedsim's
     # ClientOptimizer.scale_free_steps), and neither a gradient nor another optimizer's update
     scale_free_updates: bool = False
-    # (structure, job, model, images) -> (images, certain): where the solver can tell an image exactly from an
-    # optimization's approximation of it (dark_background: the nearest image with a background), the images
-    # with those put in and which they are; None: it cannot (an optimization holding its images then learns
-    # the rest alone)
-    snap: Callable[[Any, VictimJob, nn.Module, Tensor], tuple[Tensor, Tensor]] | None = None
+    # (structure, job, model, images, held) -> (images, certain): where the solver can tell an image exactly from
+    # an optimization's approximation of it (dark_background: the nearest image with a background), the images
+    # with those put in and which they are, of those not ``held`` (B,) already; None: it cannot (an
+    # optimization holding its images then learns the rest alone)
+    snap: Callable[[Any, VictimJob, nn.Module, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
 
 
 SOLVERS: dict[str, Solver] = {}
@@ -122,7 +122,7 @@ def solver(
     single_updates: bool = False,
     updates: bool = False,
     scale_free_updates: bool = False,
-    snap: Callable[[Any, VictimJob, nn.Module, Tensor], tuple[Tensor, Tensor]] | None = None,
+    snap: Callable[[Any, VictimJob, nn.Module, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ):
     def register(fn: Callable[[Any, VictimJob, nn.Module], Solution]) -> Callable[..., Solution]:
         SOLVERS[name] = Solver(
@@ -628,22 +628,27 @@ def _level_problem(found: _Flat, job: VictimJob, model: nn.Module) -> tuple[Tens
     return space, low_e, high_e
 
 
-def snap_dark_background(found: _Flat, job: VictimJob, model: nn.Module, images: Tensor) -> tuple[Tensor, Tensor]:
-    """An optimization's images (the job's order) with each one that is near an image with a background
-    replaced by that image, exactly (``separation.snap_to_level``), and which were. An image is taken only
-    where the one it snaps to is nearer to it than to any other of the batch (so it keeps its place and
-    label), and only once."""
+def snap_dark_background(
+    found: _Flat, job: VictimJob, model: nn.Module, images: Tensor, held: Tensor
+) -> tuple[Tensor, Tensor]:
+    """An optimization's images (the job's order) with each one not ``held`` that is near an image with a
+    background replaced by that image, exactly (``separation.snap_to_level``), and which were. An image is
+    taken only where the one it snaps to is nearer to it than to any other of the batch (so it keeps its place
+    and label), and only once, held ones included. The held ones are exact already and not searched again: a
+    program per image is most of a snap's time, and late in a run most images are held."""
     space, low_e, high_e = _level_problem(found, job, model)
     entries = found.layer.pixels.reshape(-1)
     flat = images.detach().double().cpu().reshape(images.shape[0], -1)[:, entries]
-    snapped = snap_to_level(space, low_e, high_e, flat)
+    open_ = (~held.cpu()).nonzero().flatten().tolist()
+    snapped = snap_to_level(space, low_e, high_e, flat[open_]) if open_ else []
     out, taken = flat.clone(), torch.zeros(len(flat), dtype=torch.bool)
-    for k, x in enumerate(snapped):
+    kept = held.cpu().clone()  # the images no other may snap to: the held ones and those taken here
+    for k, x in zip(open_, snapped):
         if x is None or int(torch.linalg.norm(flat - x, dim=1).argmin()) != k:
             continue
-        if any(same_image(out[i], x) for i in taken.nonzero().flatten()):
+        if any(same_image(out[i], x) for i in kept.nonzero().flatten()):
             continue
-        out[k], taken[k] = x, True
+        out[k], taken[k], kept[k] = x, True, True
     whole = images.detach().double().cpu().reshape(images.shape[0], -1).clone()
     whole[:, entries] = out
     return whole.reshape(images.shape).to(images.dtype), taken

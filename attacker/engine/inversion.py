@@ -152,8 +152,9 @@ class InversionModule(LightningModule):
         if self.matcher.plan is not None and self.device.type == "cpu":
             torch.set_num_threads(1)
 
-    def on_train_epoch_end(self) -> None:
-        """Every ``snap_every`` iterations of an attack that asks: the images its closed form can now tell
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Every ``snap_every`` iterations of an attack that asks (after the iteration, not only at a chunk's
+        end: snaps more often than checkpoints): the images its closed form can now tell
         exactly from the dummies join the held ones (``ClosedForms.snap``), and the job's best iterate is looked
         for again from there (``JobState.restart_tracking``). On resume the held set starts
         again from the closed form's first answer; the snapped images are still the dummies' values, and
@@ -170,7 +171,8 @@ class InversionModule(LightningModule):
         forms = self._forms
         for j in due:
             self._snaps[j] = self.state.iteration // self.attacks[j].snap_every
-            snapped = forms.snap(self.jobs[j], self.unknowns.image_stack[j].detach().cpu())
+            images = self.unknowns.image_stack[j].detach().cpu()
+            snapped = forms.snap(self.jobs[j], images, self.unknowns.held[j].cpu())
             if snapped is not None:
                 added = self.unknowns.hold_more(j, *snapped)
                 self.snapped[j] += added
