@@ -169,11 +169,11 @@ PRESETS: dict[str, AttackConfig] = {
     "dia_cf": AttackConfig("dia_cf", masks="learn", image_init="closed_form"),
     # DIA in the images' span started from a closed form's partial answer, holding the images the closed form's
     # own per-image check pinned down: it learns only the rest and the masks (docs/results/deployed.md: the
-    # MLP's B = 32 SGD round, dark_background's 14 of 32 held, 32 of 32 recognisable); every 250 iterations (each
-    # epoch end, the finest a snap can be) the images the closed form can tell exactly from its dummies join the
-    # held ones (snap_every; at cap 1,000 on the MLP's B = 64 SGD round 47 of 64 against 38 at every 500)
+    # MLP's B = 32 SGD round, dark_background's 14 of 32 held, 32 of 32 recognisable); every 50 iterations the
+    # images the closed form can tell exactly from its dummies join the held ones (snap_every; at cap 1,000 on
+    # the MLP's B = 64 SGD round 52 of 64, against 47 every 250, 38 every 500 and 51 every 25)
     "dia_hold": AttackConfig(
-        "dia_hold", masks="learn", image_init="closed_form", hold_certain=True, image_span=True, snap_every=250
+        "dia_hold", masks="learn", image_init="closed_form", hold_certain=True, image_span=True, snap_every=50
     ),
     # DIA with the dummies held in the images' span read off the first Linear's gradient (B x B unknowns
     # per batch instead of B x pixels): batches of 16-64 and SGD rounds of an MLP
