@@ -44,7 +44,7 @@ class SSIMCurve(L.Callback):
                     continue
                 if stopped:
                     self.done[j] = True  # its last point: where it stopped (its dummies no longer move)
-                images = merge_copies(module.images[j].detach().cpu(), module.copies)
+                images = merge_copies(module.in_label_order(j, module.images[j].detach().cpu()), module.copies)
                 # an unknown batch order holds one label per copy of each image: match on the images alone
                 labels = module.jobs[j].labels if module.copies == 1 else None
                 scored = score_batch(oracle.images, images, spec.mean, spec.std, labels=labels)

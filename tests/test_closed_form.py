@@ -569,6 +569,73 @@ def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> Non
         make_attack("dia", snap_every=10)
 
 
+def test_held_images_take_their_labels_first_in_a_partial_separations_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """label_order with ``held``: a held (exact) image goes to the label it scores even where an unresolved row
+    scores that label higher; without ``held`` the rows' plain sum of scores decides, and the held image would
+    sit under the other label for good."""
+    from attacker.closed_form import solvers
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
+    victims = [(_victims(spec, n=1, batch=2)[0][0], torch.tensor([3, 5]))]
+    (job,), _ = jobs_from_images(spec, victims)
+    # row 0 (held) scores label 3; row 1, a mix, scores label 3 higher still and label 5 not at all
+    scores = torch.zeros(2, 10, dtype=torch.float64)
+    scores[0, 3], scores[0, 5], scores[1, 3] = 0.6, 0.1, 2.0
+    monkeypatch.setattr(solvers, "label_scores", lambda images, job_, model: scores)
+    model = model_from_job(job)
+    images = torch.zeros(2, *spec.input_shape)
+    assert solvers.label_order(images, job, model).tolist() == [1, 0]  # place k takes row order[k]
+    assert solvers.label_order(images, job, model, torch.tensor([True, False])).tolist() == [0, 1]
+
+
+def test_slots_trade_labels_so_a_held_image_sits_under_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held image in a slot of the wrong label (the true images of a one-step gradient, slots 0 and 1
+    swapped, slot 0 held): relabel gives slot 0 the label its image scores and slot 1 the freed label, and no
+    other slot changes; with the held image where it belongs nothing moves. The engine relabels at each snap,
+    reports the images in the labels' order, and a checkpoint keeps the slots' labels."""
+    from engine_harness import fit_attack
+
+    from attacker.engine.inversion import InversionModule
+    from fedsim.client_step import LocalPlan, OptimizerSpec, Schedule
+
+    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 256})
+    labels = torch.tensor([0, 1, 2, 3, 4, 5])
+    (job,), (oracle,) = jobs_from_images(spec, [(_dark_victims(spec, 6, seed=2)[0][0], labels)])
+    truth = oracle.images
+    swapped = truth[[1, 0, 2, 3, 4, 5]]
+    forms = ClosedForms()
+    one = torch.tensor([True, False, False, False, False, False])
+    assert forms.relabel(job, swapped, one, labels).tolist() == [1, 0, 2, 3, 4, 5]
+    assert forms.relabel(job, truth, one, labels).tolist() == labels.tolist()
+    assert forms.relabel(job, swapped, torch.zeros(6, dtype=torch.bool), labels) is None  # nothing held
+    plan = LocalPlan(Schedule(epochs=2, batch_size=3, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (halves,), _ = jobs_from_images(spec, [(truth, labels)], plan=plan)
+    assert forms.relabel(halves, swapped, one, labels) is None  # its slots differ by their steps too
+
+    # the engine: a snap holds truth[1] in slot 0 (label 0) of an SGD round on the whole batch
+    plan = LocalPlan(Schedule(epochs=2, batch_size=6, order="in-order"), OptimizerSpec("sgd", 0.05))
+    (job,), (oracle,) = jobs_from_images(spec, [(truth, labels)], plan=plan)
+
+    def snap(self, job_, images, held=None):
+        taken = one.clone()
+        return torch.where(taken[:, None, None, None], swapped, images), taken
+
+    monkeypatch.setattr(ClosedForms, "first_guess", lambda self, job_: None)
+    monkeypatch.setattr(ClosedForms, "snap", snap)
+    module = InversionModule([job], [make_attack("dia_hold", max_iterations=20, snap_every=10, patience=1000)], None)
+    module.chunk = 10
+    (result,) = fit_attack(module, max_epochs=2)
+    assert module.matcher.job_labels(0).tolist()[:2] == [1, 0] and module.relabeled[0] >= 2
+    assert torch.equal(job.labels, labels)  # the job (what the server saw) is untouched
+    assert torch.allclose(result.images[1], truth[1])  # the held image, at a place of its label
+    saved: dict = {}
+    module.on_save_checkpoint(saved)
+    fresh = InversionModule([job], [make_attack("dia_hold", max_iterations=20, snap_every=10)], None)
+    assert fresh.matcher.job_labels(0).tolist() == labels.tolist()
+    fresh.on_load_checkpoint(saved)
+    assert torch.equal(fresh.matcher.job_labels(0), module.matcher.job_labels(0))
+
+
 def test_snaps_come_every_snap_every_iterations_not_only_at_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     """A snap is due after the iteration that reaches a multiple of snap_every, whatever the checkpoint chunk:
     with chunks of 25 and snap_every 10, a 30-iteration run snaps after iterations 10 and 20 (at the chunk's end

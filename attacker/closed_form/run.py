@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from fedsim.data import box_bounds, get_spec
 
 from ..jobs import JobResult, VictimJob, as_one_gradient, model_from_job
-from .solvers import SOLVERS, NotApplicable, Solution, box_leaves_open, label_order
+from .solvers import SOLVERS, NotApplicable, Solution, box_leaves_open, label_order, relabel
 
 SOLVED, SOLVED_INEXACT = "solved", "solved_inexact"
 
@@ -80,6 +80,14 @@ def _scale_free_reason(name: str, job: VictimJob) -> str | None:
             f"{SOLVERS[name].batch_reason}"
         )
     return None
+
+
+def relabels(job: VictimJob) -> bool:
+    """Whether the slots of an optimization of ``job`` can trade labels: only where every step used every
+    image (a one-step gradient, or each step on the whole batch), so that two slots differ in nothing but
+    their labels; one epoch copy each (an unknown order's copies share an image)."""
+    everyone = list(range(job.batch_size))
+    return job.copies == 1 and not job.members and all(sorted(step) == everyone for step in job.steps)
 
 
 @dataclass
@@ -182,7 +190,7 @@ class ClosedForms:
                 return Guess(images, held)
             # a separating solver's images come in an order of their own: put them in the labels'; an update's
             # last Linear: its round's gradients summed (as_one_gradient), which the labels still fix
-            order = label_order(images, as_one_gradient(job) if job.plan else job, self.model(job))
+            order = label_order(images, as_one_gradient(job) if job.plan else job, self.model(job), held)
             if order is not None:
                 return Guess(images[order], held[order])
         return None
@@ -208,6 +216,14 @@ class ClosedForms:
                     held = torch.zeros(images.shape[0], dtype=torch.bool)
                 return solver.snap(self._structure(name, job), job, self.model(job), images, held)
         return None
+
+    def relabel(self, job: VictimJob, images: Tensor, held: Tensor, labels: Tensor) -> Tensor | None:
+        """New labels for the slots of an optimization of ``job`` whose dummies are ``images`` and carry
+        ``labels`` (B,), so that each ``held`` image sits at a label it scores (``solvers.relabel``); None where
+        the slots cannot trade labels (``relabels``) or the model does not end in a Linear."""
+        if not held.any() or not relabels(job):
+            return None
+        return relabel(images, held, labels, as_one_gradient(job) if job.plan else job, self.model(job))
 
     def _solve(self, name: str, job: VictimJob) -> tuple[Solution, float]:
         # A run solves a job for the closed-form attack and again for an optimization that starts from the

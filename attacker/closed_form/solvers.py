@@ -885,16 +885,19 @@ def last_linear_features(layer: Layer, job: VictimJob, model: nn.Module) -> Feat
 # -- (d) a separated batch in the labels' order: where an optimization starts from a separation -------------
 
 
-def label_order(images: Tensor, job: VictimJob, model: nn.Module) -> Tensor | None:
-    """The permutation putting a separating solver's images (which come in an order of their own) in the
-    order of ``job.labels``, for an optimization whose dummies carry those labels to start from them; None
-    where the model does not end in a Linear. The last Linear's gradient of a mean cross-entropy is
+# How much more a held image's place weighs than an open one's: a held image is exact, its label scores are
+# the true ones' (with the true images, the top score is the label for all 32 of a B = 32 SGD round), while an
+# open row's image may be any mix, and its scores with it.
+HELD_WEIGHT = 10.0
+
+
+def label_scores(images: Tensor, job: VictimJob, model: nn.Module) -> Tensor | None:
+    """(B, classes): how much each of ``images`` scores each label by the last Linear's gradient, P estimated;
+    None where the model does not end in a Linear. That gradient of a mean cross-entropy is
     B dW = (S - P)^T H (S: the softmax outputs, P: the labels one-hot, H: that layer's inputs, rows per
     image), so P^T = (S^T H - B dW) H^+ from the images' own S and H (dropout off: the client's masks on
-    that layer are not known, which blurs but does not move the estimate). Each image goes to a place of
-    the label it scores highest, every label keeping its count (an assignment)."""
-    from scipy.optimize import linear_sum_assignment
-
+    that layer are not known, which blurs but does not move the estimate). A round's update: its
+    gradients summed (``as_one_gradient``), which the labels still fix."""
     layer = last_linear(model, tuple(job.spec.input_shape))
     if layer is None:
         return None
@@ -903,9 +906,47 @@ def label_order(images: Tensor, job: VictimJob, model: nn.Module) -> Tensor | No
     with torch.no_grad(), evaluating(model):
         s = torch.softmax(model(x).double(), dim=1)
     dw = _grads(job, model)[layer.weight]
-    scores = torch.linalg.lstsq(h.T, (s.T @ h - job.batch_size * dw).T).solution  # (B, classes): P, estimated
+    return torch.linalg.lstsq(h.T, (s.T @ h - job.batch_size * dw).T).solution
+
+
+def label_order(images: Tensor, job: VictimJob, model: nn.Module, held: Tensor | None = None) -> Tensor | None:
+    """The permutation putting a separating solver's images (which come in an order of their own) in the
+    order of ``job.labels``, for an optimization whose dummies carry those labels to start from them; None
+    where the model does not end in a Linear. Each image goes to a place of the label it scores highest
+    (``label_scores``), every label keeping its count (an assignment); the images ``held`` (B,) exact weigh
+    ``HELD_WEIGHT`` times more: a partial separation's unresolved rows (mixes, or filler) would otherwise
+    take a held image's label from it, and a held image sits fixed under the wrong label for good."""
+    from scipy.optimize import linear_sum_assignment
+
+    scores = label_scores(images, job, model)
+    if scores is None:
+        return None
     labels = job.labels.long().cpu()
-    rows, cols = linear_sum_assignment(-scores[:, labels].numpy())  # image rows[k] to place cols[k]
+    cost = -scores[:, labels]
+    if held is not None:
+        cost[held.cpu()] *= HELD_WEIGHT
+    rows, cols = linear_sum_assignment(cost.numpy())  # image rows[k] to place cols[k]
     order = torch.empty(len(labels), dtype=torch.long)
     order[torch.as_tensor(cols)] = torch.as_tensor(rows)
     return order
+
+
+def relabel(images: Tensor, held: Tensor, slot_labels: Tensor, job: VictimJob, model: nn.Module) -> Tensor | None:
+    """New labels for an optimization's slots (a permutation of ``slot_labels``, the labels its dummies carry
+    now): each held image (exact, fixed) at a label it scores (``label_scores``, ``HELD_WEIGHT``), every
+    change of a slot's label costing 1, so open slots keep theirs unless a held image needs it. A held image
+    under the wrong label takes a label the missing image needs; given it back, the open slot that had it
+    can drift to that image (not to a copy of an image held elsewhere). None where the model does not end in
+    a Linear."""
+    from scipy.optimize import linear_sum_assignment
+
+    scores = label_scores(images, job, model)
+    if scores is None:
+        return None
+    slot_labels = slot_labels.long().cpu()
+    cost = (slot_labels.view(-1, 1) != slot_labels.view(1, -1)).double()  # slot k takes place c's label
+    cost[held.cpu()] -= HELD_WEIGHT * scores[held.cpu()][:, slot_labels]
+    rows, cols = linear_sum_assignment(cost.numpy())
+    out = slot_labels.clone()
+    out[torch.as_tensor(rows)] = slot_labels[torch.as_tensor(cols)]
+    return out

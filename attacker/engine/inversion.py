@@ -88,6 +88,7 @@ class InversionModule(LightningModule):
         self.state = JobState.start(attacks)
         self._snaps = [0] * len(jobs)  # per job, the snaps taken (attack.snap_every)
         self.snapped = [0] * len(jobs)  # per job, the images its snaps added to the held ones
+        self.relabeled = [0] * len(jobs)  # per job, the label changes of its slots (``_relabel``)
         # one for the run: it keeps each job's solves, which every snap consults (a B = 64 separation takes minutes)
         self._forms: ClosedForms | None = None
         # The iteration at which each job's smoothed Adam replay becomes its final objective (None: never).
@@ -173,14 +174,43 @@ class InversionModule(LightningModule):
             self._snaps[j] = self.state.iteration // self.attacks[j].snap_every
             images = self.unknowns.image_stack[j].detach().cpu()
             snapped = forms.snap(self.jobs[j], images, self.unknowns.held[j].cpu())
-            if snapped is not None:
-                added = self.unknowns.hold_more(j, *snapped)
-                self.snapped[j] += added
-                if added:
-                    # the snapped images are exact by their own check, whatever the loss says: a best iterate
-                    # from before the snap lacks them (the loss jumps while the free images let go of the
-                    # ghosts they shared with the snapped ones), so the best is looked for after it
-                    self.state.restart_tracking([j])
+            added = self.unknowns.hold_more(j, *snapped) if snapped is not None else 0
+            self.snapped[j] += added
+            moved = self._relabel(j, forms)
+            if added or moved:
+                # the snapped images are exact by their own check, whatever the loss says: a best iterate
+                # from before the snap lacks them (the loss jumps while the free images let go of the
+                # ghosts they shared with the snapped ones; and where slots traded labels), so the best is
+                # looked for after it
+                self.state.restart_tracking([j])
+
+    def _relabel(self, j: int, forms: ClosedForms) -> int:
+        """Job j's slots trade labels so that each held image sits at a label it scores
+        (``ClosedForms.relabel``): a held image fixed under the wrong label would keep the label its missing
+        image needs from every open slot, and the slot that has it drifts to a copy of an image held
+        elsewhere (a B = 32 SGD round: 31 of 32, the 32nd a copy). Returns how many slots changed label."""
+        labels = self.matcher.job_labels(j)  # a view of the Matcher's labels: every objective reads them per call
+        new = forms.relabel(
+            self.jobs[j], self.unknowns.image_stack[j].detach().cpu(), self.unknowns.held[j].cpu(), labels.cpu()
+        )
+        if new is None:
+            return 0
+        moved = int((new != labels.cpu()).sum())
+        if moved:
+            labels.copy_(new.to(labels.device, labels.dtype))
+            self.relabeled[j] += moved
+        return moved
+
+    def in_label_order(self, j: int, images: Tensor) -> Tensor:
+        """Job j's dummies (B, ...) with image k at a slot of ``jobs[j].labels[k]``'s label: the order that
+        scoring by labels assumes (``metrics.match_reconstructions``), whichever labels the slots traded."""
+        slots = self.matcher.job_labels(j).cpu()
+        labels = self.jobs[j].labels.to(slots.dtype).cpu()
+        if images.shape[0] != slots.shape[0] or torch.equal(slots, labels):
+            return images
+        order = torch.empty_like(slots, dtype=torch.long)
+        order[torch.argsort(labels, stable=True)] = torch.argsort(slots, stable=True)  # slots[order] == labels
+        return images[order.to(images.device)]
 
     def on_train_end(self) -> None:
         torch.set_num_threads(getattr(self, "_threads", torch.get_num_threads()))
@@ -247,10 +277,18 @@ class InversionModule(LightningModule):
     # -- checkpoints: the dummies, masks, Adam moments and best iterates are parameters and buffers;
     # the per-job state is saved beside them.
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["inversion"] = {"format": self.CHECKPOINT_FORMAT, **self.state.state_dict()}
+        checkpoint["inversion"] = {
+            "format": self.CHECKPOINT_FORMAT,
+            **self.state.state_dict(),
+            "slot_labels": self.matcher.labels.cpu().clone(),  # the dummies were optimized under these
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.state.load_state_dict(checkpoint["inversion"])
+        saved = dict(checkpoint["inversion"])
+        slot_labels = saved.pop("slot_labels", None)  # absent from checkpoints of before the slots traded labels
+        if slot_labels is not None:
+            self.matcher.labels.copy_(slot_labels.to(self.matcher.labels.device, self.matcher.labels.dtype))
+        self.state.load_state_dict(saved)
 
     # -- results ------------------------------------------------------------------------------------
     def results(self) -> list[JobResult]:
@@ -269,8 +307,8 @@ class InversionModule(LightningModule):
                 JobResult(
                     job.job_id,
                     attack.name,
-                    merge_copies(source[j].detach().cpu().clone(), self.copies),
-                    masks,
+                    merge_copies(self.in_label_order(j, source[j].detach().cpu().clone()), self.copies),
+                    [self.in_label_order(j, m) for m in masks] if masks else masks,
                     state.best_loss[j],
                     state.best_iteration[j],
                     len(state.losses[j]),
