@@ -237,4 +237,5 @@ class JobResult:
     optimized_values: int
     losses: list[float] = field(default_factory=list)
     ssim_curve: list[tuple[int, float]] = field(default_factory=list)  # (iteration, SSIM): attacker.curves
-    extras: dict = field(default_factory=dict)  # a closed-form solve's rank and residual (metrics.json)
+    # a closed-form solve's rank and residual; what dia_hold's snaps did (metrics.json)
+    extras: dict = field(default_factory=dict)

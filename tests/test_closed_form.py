@@ -569,25 +569,6 @@ def test_dia_hold_holds_what_a_snap_adds(monkeypatch: pytest.MonkeyPatch) -> Non
         make_attack("dia", snap_every=10)
 
 
-def test_held_images_take_their_labels_first_in_a_partial_separations_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """label_order with ``held``: a held (exact) image goes to the label it scores even where an unresolved row
-    scores that label higher; without ``held`` the rows' plain sum of scores decides, and the held image would
-    sit under the other label for good."""
-    from attacker.closed_form import solvers
-
-    spec = ModelSpec("mlp", "mnist", 0.25, 0, {"width": 64})
-    victims = [(_victims(spec, n=1, batch=2)[0][0], torch.tensor([3, 5]))]
-    (job,), _ = jobs_from_images(spec, victims)
-    # row 0 (held) scores label 3; row 1, a mix, scores label 3 higher still and label 5 not at all
-    scores = torch.zeros(2, 10, dtype=torch.float64)
-    scores[0, 3], scores[0, 5], scores[1, 3] = 0.6, 0.1, 2.0
-    monkeypatch.setattr(solvers, "label_scores", lambda images, job_, model: scores)
-    model = model_from_job(job)
-    images = torch.zeros(2, *spec.input_shape)
-    assert solvers.label_order(images, job, model).tolist() == [1, 0]  # place k takes row order[k]
-    assert solvers.label_order(images, job, model, torch.tensor([True, False])).tolist() == [0, 1]
-
-
 def test_slots_trade_labels_so_a_held_image_sits_under_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """A held image in a slot of the wrong label (the true images of a one-step gradient, slots 0 and 1
     swapped, slot 0 held): relabel gives slot 0 the label its image scores and slot 1 the freed label, and no
@@ -634,6 +615,16 @@ def test_slots_trade_labels_so_a_held_image_sits_under_its_own(monkeypatch: pyte
     assert fresh.matcher.job_labels(0).tolist() == labels.tolist()
     fresh.on_load_checkpoint(saved)
     assert torch.equal(fresh.matcher.job_labels(0), module.matcher.job_labels(0))
+
+    # new labels under which the dummies explain the update worse are refused: every image held at its own
+    from attacker.closed_form.run import Guess
+
+    monkeypatch.setattr(ClosedForms, "first_guess", lambda self, job_: Guess(truth, torch.ones(6, dtype=torch.bool)))
+    monkeypatch.setattr(ClosedForms, "relabel", lambda self, job_, images, held, slots: slots[[0, 1, 3, 2, 4, 5]])
+    module = InversionModule([job], [make_attack("dia_hold", max_iterations=20, snap_every=10, patience=1000)], None)
+    module.chunk = 10
+    fit_attack(module, max_epochs=2)
+    assert module.matcher.job_labels(0).tolist() == labels.tolist() and module.relabeled == [0]
 
 
 def test_snaps_come_every_snap_every_iterations_not_only_at_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:

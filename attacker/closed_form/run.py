@@ -190,7 +190,7 @@ class ClosedForms:
                 return Guess(images, held)
             # a separating solver's images come in an order of their own: put them in the labels'; an update's
             # last Linear: its round's gradients summed (as_one_gradient), which the labels still fix
-            order = label_order(images, as_one_gradient(job) if job.plan else job, self.model(job), held)
+            order = label_order(images, as_one_gradient(job) if job.plan else job, self.model(job))
             if order is not None:
                 return Guess(images[order], held[order])
         return None
