@@ -915,8 +915,8 @@ def label_order(images: Tensor, job: VictimJob, model: nn.Module) -> Tensor | No
     where the model does not end in a Linear. Each image goes to a place of the label it scores highest
     (``label_scores``), every label keeping its count (an assignment). (Weighing the images the solver held
     exactly first, ``HELD_WEIGHT`` times, was tried: on a one-step B = 64 gradient under p = 0.25, whose scores
-    put 44 of the 64 true images at their labels, it lost images, 59 -> 55 of 64; the snaps' ``relabel``, checked
-    by the loss, mends a held image's label instead.)"""
+    put 44 of the 64 true images at their labels, it lost images, 59 -> 55 of 64; the snaps' ``relabel`` mends a
+    held image's label instead, on one step only where the loss drops.)"""
     from scipy.optimize import linear_sum_assignment
 
     scores = label_scores(images, job, model)
